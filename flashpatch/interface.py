@@ -1,0 +1,108 @@
+"""Public functional API, flash-attn 2 compatible: validate, then dispatch to the autograd layer.
+
+Layering (one way): kernels/ (Triton) -> ops.py (torch.library custom ops) -> autograd.py -> this file.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashpatch.autograd import FlashAttnFunction
+from flashpatch.validation import check_attention_args, check_cu_seqlens
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """Exact attention, fused: softmax(q kᵀ · scale) v without materializing the (seqlen_q, seqlen_k) matrix.
+
+    Arguments:
+        q: (batch, seqlen_q, nheads, headdim)
+        k: (batch, seqlen_k, nheads_k, headdim)   nheads % nheads_k == 0 (GQA/MQA; K/V are never copied)
+        v: (batch, seqlen_k, nheads_k, headdim)
+            fp16, bf16 or fp32 (fp32 is computed in fp32: for exact parity tests); headdim a multiple of 8, <= 256;
+            any strides with a contiguous last dimension.
+        dropout_p: probability of dropping an attention weight (training only; pass 0.0 in eval).
+            The keep mask comes from Philox keyed by a (seed, offset) pair drawn from torch's generator for
+            q's device, so `torch.manual_seed` makes it reproducible; backward regenerates it, nothing is stored.
+        softmax_scale: defaults to 1 / sqrt(headdim).
+        causal: mask keys after the query's position, aligned to the bottom-right corner when lengths differ.
+            For seqlen_q = 2, seqlen_k = 5 (1 = attended):
+                1 1 1 1 0
+                1 1 1 1 1
+            For seqlen_q = 5, seqlen_k = 2:
+                0 0
+                0 0
+                0 0
+                1 0
+                1 1
+            Rows that see no key output 0 (and get 0 gradient).
+        window_size: (left, right); query i attends keys in [i + seqlen_k - seqlen_q - left,
+            i + seqlen_k - seqlen_q + right]; -1 leaves that side unbounded. causal=True sets right to 0.
+        softcap: if > 0, scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2 style).
+        deterministic: bitwise-repeatable backward (no atomics).
+        return_attn_probs: also return the log-sum-exp and, with dropout, the keep pattern (testing aid).
+
+    Returns:
+        out: (batch, seqlen_q, nheads, headdim), q's dtype.
+        With return_attn_probs=True: (out, softmax_lse, S_dmask), where softmax_lse is (batch, nheads, seqlen_q)
+        float32, the natural-log log-sum-exp of the scaled (and softcapped) scores (+inf for rows that see no key),
+        and S_dmask is None when dropout_p == 0, else a (batch, nheads, seqlen_q, seqlen_k) float tensor with
+        +1 where the weight was kept and -1 where it was dropped (flash-attn returns signed probabilities there;
+        flashpatch returns only the signs, which is what a test of the mask needs).
+    """
+    args = check_attention_args(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, varlen=False)
+    return FlashAttnFunction.run(
+        q, k, v, None, None, q.shape[1], k.shape[1], args, deterministic, return_attn_probs
+    )
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """Attention over a batch of sequences packed without padding.
+
+    Arguments:
+        q: (total_q, nheads, headdim), the queries of all sequences back to back
+        k: (total_k, nheads_k, headdim)
+        v: (total_k, nheads_k, headdim)
+        cu_seqlens_q: (batch + 1,) int32, sequence b's queries are q[cu_seqlens_q[b] : cu_seqlens_q[b + 1]]
+        cu_seqlens_k: (batch + 1,) int32, likewise for keys and values
+        max_seqlen_q, max_seqlen_k: Python ints, the longest sequence (sizes the launch grid)
+        Other arguments as in `flash_attn_func`; causal and window alignment is bottom-right per sequence.
+        Sequences may be empty. Dropout draws, for a token pair, the same bit as `flash_attn_func` does on the
+        same batch padded to (max_seqlen_q, max_seqlen_k).
+
+    Returns:
+        out: (total_q, nheads, headdim).
+        With return_attn_probs=True: (out, softmax_lse (nheads, total_q) float32, S_dmask or None), S_dmask being
+        (batch, nheads, max_seqlen_q, max_seqlen_k).
+    """
+    args = check_attention_args(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, varlen=True)
+    check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return FlashAttnFunction.run(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), args, deterministic,
+        return_attn_probs,
+    )

@@ -1,0 +1,1 @@
+"""Triton kernels. Imported by flashpatch.ops only; they know nothing of autograd or of the reference."""

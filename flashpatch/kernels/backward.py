@@ -1,0 +1,284 @@
+"""Backward kernels. Nothing (seqlen_q, seqlen_k)-sized is ever stored: P is recomputed from the saved LSE.
+
+  preprocess:  delta = rowsum(dO * O)                          one program per (query block, batch * head)
+  dK/dV:       one program per (key block, batch * kv head); it loops over the query heads of its GQA group
+               and their query blocks, so dK/dV are summed over the group in registers, with no atomics.
+               With ATOMIC_DQ it also adds dS K into an fp32 dQ buffer (5 matmuls per tile instead of 7).
+  dQ:          one program per (query block, batch * head), used when dQ is not accumulated atomically
+               (deterministic mode): it recomputes QKᵀ and dO Vᵀ.
+
+Dropout: P_drop = P * Z / (1 - p) with Z regenerated from the same Philox counters as in forward, and
+dS = P * (dP * Z / (1 - p) - delta), delta = rowsum(dO * O) = rowsum(P_drop * dP).
+Softcap: scores = c * tanh(x * scale / c), so dS picks up the factor (1 - tanh²).
+"""
+
+import triton
+import triton.language as tl
+
+from flashpatch.kernels.common import dropout_keep, key_block_range, query_block_range, seq_bounds, tanh, visible
+
+
+@triton.jit(do_not_specialize=["max_seqlen_q"])
+def attn_bwd_preprocess_kernel(
+    O, DO, DELTA, CU_SEQLENS_Q,
+    stride_ob, stride_os, stride_oh,
+    stride_dob, stride_dos, stride_doh,
+    stride_lse_b, stride_lse_h,
+    nheads, max_seqlen_q,
+    HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    off_bh = tl.program_id(0)  # batch * heads on axis 0: its limit is 2^31 - 1, axis 1's is 65535
+    pid_m = tl.program_id(1)
+    off_b = (off_bh // nheads).to(tl.int64)
+    off_h = (off_bh % nheads).to(tl.int64)
+    q_start, seqlen_q, _, _ = seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_Q, off_b, max_seqlen_q, max_seqlen_q, IS_VARLEN)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEADDIM)
+    rows = (q_start + offs_m[:, None])
+    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + rows * stride_os + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + rows * stride_dos + offs_d[None, :], mask=mask,
+                 other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _dkdv_inner(
+    dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
+    offs_n, offs_d, start_m, end_m, seqlen_q, seqlen_k, window_left, window_right,
+    qk_scale, cap_log2, softmax_scale, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
+    HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    inv_keep = 1.0 / (1.0 - dropout_p)
+    zero64 = tl.zeros((), dtype=tl.int64)  # loop offsets times strides in 64 bits
+    for start in range(start_m, end_m, BLOCK_M):
+        offs_m = start + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < seqlen_q
+        q_mask = (offs_m[None, :] < seqlen_q) & (offs_d[:, None] < HEADDIM)
+        q_t = tl.load(q_ptrs + (start + zero64) * stride_qs, mask=q_mask, other=0.0)  # (D, BM)
+        lse = tl.load(lse_ptrs + start, mask=row_ok, other=float("inf"))  # natural log
+        qk_t = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # (BN, BM): scores transposed
+        if SOFTCAP:
+            t = tanh(qk_t * qk_scale)
+            s_t = cap_log2 * t
+        else:
+            s_t = qk_t * qk_scale
+        p_t = tl.exp2(s_t - lse[None, :] * 1.4426950408889634)  # (BN, BM), undropped probabilities
+        if MASKED:
+            ok = visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left, window_right,
+                         HAS_LEFT, HAS_RIGHT)
+            p_t = tl.where(ok, p_t, 0.0)
+        do = tl.load(do_ptrs + (start + zero64) * stride_dos, mask=tl.trans(q_mask), other=0.0)  # (BM, D)
+        if DROPOUT:
+            keep_t = dropout_keep(seed, offset, drop_row_base, offs_m[None, :], offs_n[:, None], max_seqlen_k,
+                                  dropout_p)
+            p_drop_t = tl.where(keep_t, p_t * inv_keep, 0.0)
+        else:
+            p_drop_t = p_t
+        dv += tl.dot(p_drop_t.to(do.dtype), do, input_precision=DOT_PRECISION)  # (BN, D)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BN, BM)
+        if DROPOUT:
+            dp_t = tl.where(keep_t, dp_t * inv_keep, 0.0)
+        delta = tl.load(delta_ptrs + start, mask=row_ok, other=0.0)
+        ds_t = p_t * (dp_t - delta[None, :])  # gradient w.r.t. the (capped) scores
+        if SOFTCAP:
+            ds_t = ds_t * (1.0 - t * t)
+        ds_t = ds_t.to(q_t.dtype)
+        dk += tl.dot(ds_t, tl.trans(q_t), input_precision=DOT_PRECISION)  # (BN, D)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * softmax_scale  # (BM, D)
+            tl.atomic_add(dq_ptrs + (start + zero64) * stride_dqs, dq, mask=tl.trans(q_mask), sem="relaxed")
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k", "window_left", "window_right"])
+def attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ_ACCUM, DK, DV, SEED_OFFSET, CU_SEQLENS_Q, CU_SEQLENS_K,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_lse_b, stride_lse_h,
+    nheads, nheads_k, group_size, max_seqlen_q, max_seqlen_k,
+    qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
+    HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    off_bhk = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    off_b = (off_bhk // nheads_k).to(tl.int64)
+    off_hk = (off_bhk % nheads_k).to(tl.int64)
+    q_start, seqlen_q, k_start, seqlen_k = seq_bounds(
+        CU_SEQLENS_Q, CU_SEQLENS_K, off_b, max_seqlen_q, max_seqlen_k, IS_VARLEN)
+    n0 = pid_n * BLOCK_N
+    if n0 >= seqlen_k:
+        return
+
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEADDIM)
+    k = tl.load(K + off_b * stride_kb + off_hk * stride_kh + (k_start + offs_n[:, None]) * stride_ks
+                + offs_d[None, :], mask=kv_mask, other=0.0)  # (BN, D)
+    v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + (k_start + offs_n[:, None]) * stride_vs
+                + offs_d[None, :], mask=kv_mask, other=0.0)  # (BN, D)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+
+    seed = 0
+    offset = 0
+    if DROPOUT:
+        seed = tl.load(SEED_OFFSET)
+        offset = tl.load(SEED_OFFSET + 1)
+
+    lo, full_lo, full_hi, hi = query_block_range(
+        n0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    for g in range(0, group_size):
+        off_h = off_hk * group_size + g
+        q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh
+                  + (q_start + offs_m[None, :]) * stride_qs + offs_d[:, None])  # (D, BM): Q transposed
+        do_ptrs = (DO + off_b * stride_dob + off_h * stride_doh
+                   + (q_start + offs_m[:, None]) * stride_dos + offs_d[None, :])  # (BM, D)
+        dq_ptrs = (DQ_ACCUM + off_b * stride_dqb + off_h * stride_dqh
+                   + (q_start + offs_m[:, None]) * stride_dqs + offs_d[None, :])  # (BM, D)
+        lse_ptrs = LSE + off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m
+        delta_ptrs = DELTA + off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m
+        drop_row_base = (off_b * nheads + off_h) * max_seqlen_q
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
+            offs_n, offs_d, lo, full_lo, seqlen_q, seqlen_k, window_left, window_right,
+            qk_scale, cap_log2, softmax_scale, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
+            HEADDIM, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION)
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
+            offs_n, offs_d, full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right,
+            qk_scale, cap_log2, softmax_scale, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
+            HEADDIM, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION)
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
+            offs_n, offs_d, full_hi, hi, seqlen_q, seqlen_k, window_left, window_right,
+            qk_scale, cap_log2, softmax_scale, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
+            HEADDIM, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION)
+
+    dk = dk * softmax_scale
+    tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + (k_start + offs_n[:, None]) * stride_dks
+             + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + (k_start + offs_n[:, None]) * stride_dvs
+             + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_inner(
+    dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs,
+    offs_m, offs_d, start_n, end_n, seqlen_q, seqlen_k, window_left, window_right,
+    qk_scale, cap_log2, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
+    HEADDIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    inv_keep = 1.0 / (1.0 - dropout_p)
+    zero64 = tl.zeros((), dtype=tl.int64)  # loop offsets times strides in 64 bits
+    for start in range(start_n, end_n, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n[None, :] < seqlen_k) & (offs_d[:, None] < HEADDIM)
+        k_t = tl.load(k_ptrs + (start + zero64) * stride_ks, mask=kv_mask, other=0.0)  # (D, BN)
+        v_t = tl.load(v_ptrs + (start + zero64) * stride_vs, mask=kv_mask, other=0.0)  # (D, BN)
+        qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)  # (BM, BN)
+        if SOFTCAP:
+            t = tanh(qk * qk_scale)
+            s = cap_log2 * t
+        else:
+            s = qk * qk_scale
+        p = tl.exp2(s - lse_log2[:, None])
+        if MASKED:
+            ok = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right,
+                         HAS_LEFT, HAS_RIGHT)
+            p = tl.where(ok, p, 0.0)
+        dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)  # (BM, BN)
+        if DROPOUT:
+            keep = dropout_keep(seed, offset, drop_row_base, offs_m[:, None], offs_n[None, :], max_seqlen_k,
+                                dropout_p)
+            dp = tl.where(keep, dp * inv_keep, 0.0)
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq += tl.dot(ds.to(k_t.dtype), tl.trans(k_t), input_precision=DOT_PRECISION)  # (BM, D)
+    return dq
+
+
+@triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k", "window_left", "window_right"])
+def attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, SEED_OFFSET, CU_SEQLENS_Q, CU_SEQLENS_K,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_lse_b, stride_lse_h,
+    nheads, group_size, max_seqlen_q, max_seqlen_k,
+    qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
+    HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    off_bh = tl.program_id(0)  # batch * heads on axis 0: its limit is 2^31 - 1, axis 1's is 65535
+    pid_m = tl.program_id(1)
+    off_b = (off_bh // nheads).to(tl.int64)
+    off_h = (off_bh % nheads).to(tl.int64)
+    off_hk = off_h // group_size
+    q_start, seqlen_q, k_start, seqlen_k = seq_bounds(
+        CU_SEQLENS_Q, CU_SEQLENS_K, off_b, max_seqlen_q, max_seqlen_k, IS_VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= seqlen_q:
+        return
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEADDIM)
+    rows = q_start + offs_m[:, None]
+    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + rows * stride_qs + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + rows * stride_dos + offs_d[None, :], mask=mask,
+                 other=0.0)
+    lse = tl.load(LSE + off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m, mask=offs_m < seqlen_q,
+                  other=float("inf"))
+    delta = tl.load(DELTA + off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m,
+                    mask=offs_m < seqlen_q, other=0.0)
+    lse_log2 = lse * 1.4426950408889634
+    k_ptrs = (K + off_b * stride_kb + off_hk * stride_kh
+              + (k_start + offs_n[None, :]) * stride_ks + offs_d[:, None])  # (D, BN)
+    v_ptrs = (V + off_b * stride_vb + off_hk * stride_vh
+              + (k_start + offs_n[None, :]) * stride_vs + offs_d[:, None])  # (D, BN)
+
+    seed = 0
+    offset = 0
+    if DROPOUT:
+        seed = tl.load(SEED_OFFSET)
+        offset = tl.load(SEED_OFFSET + 1)
+    drop_row_base = (off_b * nheads + off_h) * max_seqlen_q
+
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    lo, full_lo, full_hi, hi = key_block_range(
+        m0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, lo, full_lo,
+                   seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
+                   max_seqlen_k, dropout_p, HEADDIM, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT,
+                   DOT_PRECISION)
+    dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, full_lo,
+                   full_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset,
+                   drop_row_base, max_seqlen_k, dropout_p, HEADDIM, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                   DROPOUT, DOT_PRECISION)
+    dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, full_hi, hi,
+                   seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
+                   max_seqlen_k, dropout_p, HEADDIM, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT,
+                   DOT_PRECISION)
+    dq = dq * softmax_scale
+    tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + rows * stride_dqs + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=mask)

@@ -1,0 +1,112 @@
+"""Triton helpers shared by the forward, backward and mask kernels.
+
+Masking convention (flash-attn >= 2.1, bottom-right aligned): with diag = seqlen_k - seqlen_q, query row i
+sees key j when  i + diag - left <= j <= i + diag + right,  each bound only when HAS_LEFT / HAS_RIGHT
+(causal is right = 0). Every kernel derives its loop bounds and masks from the functions below, so the
+forward and both backward passes always agree on what is visible.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, off_b, max_seqlen_q, max_seqlen_k, IS_VARLEN: tl.constexpr):
+    """(first token, length) of batch entry off_b's queries and keys."""
+    if IS_VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + off_b)
+        q_len = tl.load(CU_SEQLENS_Q + off_b + 1) - q_start
+        k_start = tl.load(CU_SEQLENS_K + off_b)
+        k_len = tl.load(CU_SEQLENS_K + off_b + 1) - k_start
+        return q_start.to(tl.int64), q_len, k_start.to(tl.int64), k_len
+    else:
+        return tl.zeros((), tl.int64), max_seqlen_q, tl.zeros((), tl.int64), max_seqlen_k
+
+
+@triton.jit
+def key_block_range(
+    m0, seqlen_q, seqlen_k, window_left, window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+):
+    """For the query block [m0, m0 + BLOCK_M): key-block starts split as
+    [lo, full_lo) masked | [full_lo, full_hi) fully visible, no mask needed | [full_hi, hi) masked.
+    All four are multiples of BLOCK_N; blocks outside [lo, hi) see nothing and are skipped."""
+    diag = seqlen_k - seqlen_q
+    lo = m0 * 0  # a run-time int32 from the start, so every branch below assigns one type
+    hi = lo + seqlen_k
+    full_lo = lo
+    full_hi = hi
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, m0 + BLOCK_M - 1 + diag + window_right + 1)
+        full_hi = tl.minimum(full_hi, m0 + diag + window_right + 1)
+    if HAS_LEFT:
+        lo = tl.maximum(lo, m0 + diag - window_left)
+        full_lo = tl.maximum(full_lo, m0 + BLOCK_M - 1 + diag - window_left)
+    lo = tl.maximum(lo, 0) // BLOCK_N * BLOCK_N
+    hi = tl.maximum(tl.cdiv(tl.maximum(hi, 0), BLOCK_N) * BLOCK_N, lo)
+    full_lo = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(full_lo, 0), BLOCK_N) * BLOCK_N, lo), hi)
+    full_hi = tl.minimum(tl.maximum(tl.maximum(full_hi, 0) // BLOCK_N * BLOCK_N, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def query_block_range(
+    n0, seqlen_q, seqlen_k, window_left, window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+):
+    """For the key block [n0, n0 + BLOCK_N): query-block starts split as in `key_block_range`
+    (masked | fully visible | masked), all multiples of BLOCK_M."""
+    diag = seqlen_k - seqlen_q
+    lo = n0 * 0
+    hi = lo + seqlen_q
+    full_lo = lo
+    full_hi = hi
+    if HAS_RIGHT:
+        lo = tl.maximum(lo, n0 - diag - window_right)
+        full_lo = tl.maximum(full_lo, n0 + BLOCK_N - 1 - diag - window_right)
+    if HAS_LEFT:
+        hi = tl.minimum(hi, n0 + BLOCK_N - diag + window_left)
+        full_hi = tl.minimum(full_hi, n0 - diag + window_left + 1)
+    lo = tl.maximum(lo, 0) // BLOCK_M * BLOCK_M
+    hi = tl.maximum(tl.cdiv(tl.maximum(hi, 0), BLOCK_M) * BLOCK_M, lo)
+    full_lo = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(full_lo, 0), BLOCK_M) * BLOCK_M, lo), hi)
+    full_hi = tl.minimum(tl.maximum(tl.maximum(full_hi, 0) // BLOCK_M * BLOCK_M, full_lo), hi)
+    if n0 + BLOCK_N > seqlen_k:
+        full_lo = hi  # a partial key block needs the bounds mask everywhere
+        full_hi = hi
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def visible(
+    offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+):
+    """Bool tile: query offs_m may see key offs_n (offs_m, offs_n already broadcast to 2-D)."""
+    ok = (offs_m < seqlen_q) & (offs_n < seqlen_k)
+    diag = seqlen_k - seqlen_q
+    if HAS_RIGHT:
+        ok = ok & (offs_n <= offs_m + diag + window_right)
+    if HAS_LEFT:
+        ok = ok & (offs_n >= offs_m + diag - window_left)
+    return ok
+
+
+@triton.jit
+def tanh(x):
+    # 1 - 2 / (e^{2x} + 1): saturates cleanly to +-1 (e^{2x} -> inf or 0), no libdevice needed.
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
+def dropout_keep(seed, offset, row_base, offs_m, offs_n, max_seqlen_k, dropout_p):
+    """Bool tile: keep the weight of (query offs_m, key offs_n).
+
+    The Philox counter is the element's global position in a (batch, nheads, max_seqlen_q, max_seqlen_k) grid,
+    row_base = (b * nheads + h) * max_seqlen_q, so the bits depend on no block size, grid or layout (packed and
+    padded batches agree). 64-bit counters: B*H*Sq*Sk may pass 2^32."""
+    counter = offset + (row_base + offs_m.to(tl.int64)) * max_seqlen_k + offs_n.to(tl.int64)
+    return tl.rand(seed, counter) >= dropout_p

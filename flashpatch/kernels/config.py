@@ -1,0 +1,72 @@
+"""Block sizes and launch settings per kernel, head dim and device.
+
+`override(...)` swaps them for a block of code: tests use it to show that results (the dropout mask above all)
+do not depend on the tiling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+
+import triton
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+@dataclass(frozen=True)
+class KernelConfigs:
+    fwd: LaunchConfig
+    bwd_dkdv: LaunchConfig  # block_n keys per program, block_m queries per inner step
+    bwd_dq: LaunchConfig
+    atomic_dq: bool  # accumulate dQ inside the dK/dV kernel (not deterministic) instead of a separate dQ pass
+
+
+_OVERRIDE: dict = {}
+
+
+def configs_for(headdim: int, is_cuda: bool) -> KernelConfigs:
+    block_d = triton.next_power_of_2(headdim)
+    if not is_cuda:
+        # Triton interpreter: each block op is a numpy call, so mid-size tiles keep the Python overhead low.
+        cfg = KernelConfigs(LaunchConfig(32, 32), LaunchConfig(32, 32), LaunchConfig(32, 32), atomic_dq=False)
+    elif block_d <= 64:
+        cfg = KernelConfigs(
+            fwd=LaunchConfig(128, 64, num_warps=4, num_stages=3),
+            bwd_dkdv=LaunchConfig(32, 128, num_warps=4, num_stages=3),
+            bwd_dq=LaunchConfig(128, 32, num_warps=4, num_stages=3),
+            atomic_dq=False,
+        )
+    elif block_d <= 128:
+        cfg = KernelConfigs(
+            fwd=LaunchConfig(128, 64, num_warps=8, num_stages=3),
+            bwd_dkdv=LaunchConfig(32, 128, num_warps=8, num_stages=2),
+            bwd_dq=LaunchConfig(128, 32, num_warps=8, num_stages=2),
+            atomic_dq=False,
+        )
+    else:
+        cfg = KernelConfigs(
+            fwd=LaunchConfig(64, 32, num_warps=4, num_stages=2),
+            bwd_dkdv=LaunchConfig(16, 64, num_warps=4, num_stages=1),
+            bwd_dq=LaunchConfig(64, 16, num_warps=4, num_stages=1),
+            atomic_dq=False,
+        )
+    return replace(cfg, **_OVERRIDE) if _OVERRIDE else cfg
+
+
+@contextlib.contextmanager
+def override(**fields):
+    """with override(fwd=LaunchConfig(16, 64), atomic_dq=True): ...  (fields of KernelConfigs)"""
+    global _OVERRIDE
+    previous = _OVERRIDE
+    _OVERRIDE = {**previous, **fields}
+    try:
+        yield
+    finally:
+        _OVERRIDE = previous

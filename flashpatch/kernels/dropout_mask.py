@@ -1,0 +1,29 @@
+"""Writes the dropout keep pattern of one attention call, for tests and debugging.
+
+It calls the very `dropout_keep` the attention kernels call, with the same counters, so what it shows is what
+they drew. Materializes (batch, nheads, max_seqlen_q, max_seqlen_k): small shapes only.
+"""
+
+import triton
+import triton.language as tl
+
+from flashpatch.kernels.common import dropout_keep
+
+
+@triton.jit
+def dropout_mask_kernel(
+    OUT, SEED_OFFSET, nheads, max_seqlen_q, max_seqlen_k, dropout_p,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    off_bh = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    seed = tl.load(SEED_OFFSET)
+    offset = tl.load(SEED_OFFSET + 1)
+    row_base = off_bh * max_seqlen_q  # == (b * nheads + h) * max_seqlen_q
+    keep = dropout_keep(seed, offset, row_base, offs_m[:, None], offs_n[None, :], max_seqlen_k, dropout_p)
+    ptrs = OUT + (row_base + offs_m[:, None]) * max_seqlen_k + offs_n[None, :]
+    mask = (offs_m[:, None] < max_seqlen_q) & (offs_n[None, :] < max_seqlen_k)
+    tl.store(ptrs, tl.where(keep, 1.0, -1.0), mask=mask)

@@ -1,0 +1,127 @@
+"""Forward kernel (FlashAttention-2 loop order).
+
+One program owns BLOCK_M query rows of one (batch, head) and streams K/V blocks through an online softmax kept
+in base 2: scores are scaled by softmax_scale * log2(e) once, so the inner loop uses exp2 only. It writes the
+output and the row's log-sum-exp in natural-log units (flash-attn's convention; +inf for rows that see no key),
+which the backward uses to recompute P without storing it.
+"""
+
+import triton
+import triton.language as tl
+
+from flashpatch.kernels.common import dropout_keep, key_block_range, seq_bounds, tanh, visible
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
+    offs_m, offs_d, start_n, end_n, seqlen_q, seqlen_k, window_left, window_right,
+    qk_scale, cap_log2, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
+    HEADDIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    zero64 = tl.zeros((), dtype=tl.int64)  # loop offsets times strides in 64 bits
+    for start in range(start_n, end_n, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n[None, :] < seqlen_k) & (offs_d[:, None] < HEADDIM)
+        k_t = tl.load(k_ptrs + (start + zero64) * stride_ks, mask=kv_mask, other=0.0)  # (D, BN)
+        qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)  # (BM, BN), fp32
+        if SOFTCAP:
+            s = cap_log2 * tanh(qk * qk_scale)  # log2 units
+        else:
+            s = qk * qk_scale
+        if MASKED:
+            ok = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right,
+                         HAS_LEFT, HAS_RIGHT)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)  # normalizer of the undropped softmax
+        if DROPOUT:
+            keep = dropout_keep(seed, offset, drop_row_base, offs_m[:, None], offs_n[None, :], max_seqlen_k,
+                                dropout_p)
+            p = tl.where(keep, p, 0.0)
+        v = tl.load(v_ptrs + (start + zero64) * stride_vs, mask=tl.trans(kv_mask), other=0.0)  # (BN, D)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k", "window_left", "window_right"])
+def attn_fwd_kernel(
+    Q, K, V, O, LSE, SEED_OFFSET, CU_SEQLENS_Q, CU_SEQLENS_K,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_lse_b, stride_lse_h,
+    nheads, group_size, max_seqlen_q, max_seqlen_k,
+    qk_scale, cap_log2, dropout_p, window_left, window_right,
+    HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    off_bh = tl.program_id(0)  # batch * heads on axis 0: its limit is 2^31 - 1, axis 1's is 65535
+    pid_m = tl.program_id(1)
+    off_b = (off_bh // nheads).to(tl.int64)
+    off_h = (off_bh % nheads).to(tl.int64)
+    off_hk = off_h // group_size  # GQA: this head reads K/V head off_hk in place
+    q_start, seqlen_q, k_start, seqlen_k = seq_bounds(
+        CU_SEQLENS_Q, CU_SEQLENS_K, off_b, max_seqlen_q, max_seqlen_k, IS_VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= seqlen_q:  # varlen: this sequence is shorter than the grid
+        return
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)  # BLOCK_D = next power of two >= HEADDIM; the tail is masked, not copied
+    q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh
+              + (q_start + offs_m[:, None]) * stride_qs + offs_d[None, :])
+    row_mask = offs_m[:, None] < seqlen_q
+    q = tl.load(q_ptrs, mask=row_mask & (offs_d[None, :] < HEADDIM), other=0.0)  # (BM, D)
+    k_ptrs = (K + off_b * stride_kb + off_hk * stride_kh
+              + (k_start + offs_n[None, :]) * stride_ks + offs_d[:, None])  # (D, BN): K transposed
+    v_ptrs = (V + off_b * stride_vb + off_hk * stride_vh
+              + (k_start + offs_n[:, None]) * stride_vs + offs_d[None, :])  # (BN, D)
+
+    seed = 0
+    offset = 0
+    if DROPOUT:
+        seed = tl.load(SEED_OFFSET)
+        offset = tl.load(SEED_OFFSET + 1)
+    drop_row_base = (off_b * nheads + off_h) * max_seqlen_q
+
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = key_block_range(
+        m0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    # Blocks that straddle a mask edge pay for the mask; the rest run unmasked.
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, lo, full_lo,
+        seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
+        max_seqlen_k, dropout_p, HEADDIM, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, full_lo, full_hi,
+        seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
+        max_seqlen_k, dropout_p, HEADDIM, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, full_hi, hi,
+        seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
+        max_seqlen_k, dropout_p, HEADDIM, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, DOT_PRECISION)
+
+    empty = l_i == 0.0  # the row sees no key: output 0, LSE +inf (so backward recomputes P = 0)
+    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if DROPOUT:
+        acc = acc * (1.0 / (1.0 - dropout_p))
+    lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+
+    o_ptrs = (O + off_b * stride_ob + off_h * stride_oh
+              + (q_start + offs_m[:, None]) * stride_os + offs_d[None, :])
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_mask & (offs_d[None, :] < HEADDIM))
+    lse_ptrs = LSE + off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m
+    tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)

@@ -1,0 +1,230 @@
+"""Raw ops: the Triton launches, registered as torch.library custom ops with fake (meta) implementations so that
+torch.compile traces through them as opaque nodes.
+
+Dense tensors are (batch, seqlen, heads, headdim); varlen tensors are (total_tokens, heads, headdim) with
+cu_seqlens. Both run the same kernels: varlen reads a sequence's start and length from cu_seqlens, dense uses a
+batch stride. No argument checking here: flashpatch.validation does it in the public layer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+
+from flashpatch.kernels import config as kernel_config
+from flashpatch.kernels.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
+from flashpatch.kernels.dropout_mask import dropout_mask_kernel
+from flashpatch.kernels.forward import attn_fwd_kernel
+
+LOG2E = math.log2(math.e)
+_INTERPRETED = type(attn_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+def _check_runnable(t: torch.Tensor) -> None:
+    if t.device.type != "cuda" and not _INTERPRETED:
+        raise RuntimeError(
+            f"flashpatch kernels need CUDA tensors, got a tensor on {t.device}. To run on the CPU through the "
+            "Triton interpreter (slow; for tests and small runs), set TRITON_INTERPRET=1 in the environment "
+            "before flashpatch is imported."
+        )
+
+
+def _seq_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, seq, head) strides; varlen tensors have no batch dimension (stride 0)."""
+    if varlen:
+        return 0, t.stride(0), t.stride(1)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int]:
+    # dense LSE (B, H, Sq); varlen LSE (H, total_q) addressed from the sequence's first token
+    return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+
+
+def _lse_shape(q: torch.Tensor, varlen: bool) -> tuple[int, ...]:
+    return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _scales(softmax_scale: float, softcap: float) -> tuple[float, float]:
+    """(qk_scale, cap_log2): scores in log2 units are qk * qk_scale, or cap_log2 * tanh(qk * qk_scale)."""
+    if softcap > 0:
+        return softmax_scale / softcap, softcap * LOG2E
+    return softmax_scale * LOG2E, 0.0
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs are computed in fp32 ("ieee"), not TF32: exact parity tests rely on it.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _common_flags(varlen, window_left, window_right, softcap, dropout_p, dtype):
+    return dict(
+        IS_VARLEN=varlen,
+        HAS_LEFT=window_left >= 0,
+        HAS_RIGHT=window_right >= 0,
+        SOFTCAP=softcap > 0,
+        DROPOUT=dropout_p > 0,
+        DOT_PRECISION=_dot_precision(dtype),
+    )
+
+
+def _batch_size(q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]) -> int:
+    return cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else q.shape[0]
+
+
+@torch.library.custom_op("flashpatch::attn_fwd", mutates_args=(), device_types=("cuda", "cpu"))
+def attn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    seed_offset: Optional[torch.Tensor],
+    dropout_p: float,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out shaped like q, lse float32: (B, H, Sq) dense or (H, total_q) varlen)."""
+    _check_runnable(q)
+    varlen = cu_seqlens_q is not None
+    nheads, headdim = q.shape[-2], q.shape[-1]
+    nheads_k = k.shape[-2]
+    batch = _batch_size(q, cu_seqlens_q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    cfg = kernel_config.configs_for(headdim, q.is_cuda).fwd
+    qk_scale, cap_log2 = _scales(softmax_scale, softcap)
+    grid = (batch * nheads, triton.cdiv(max_seqlen_q, cfg.block_m))
+    attn_fwd_kernel[grid](
+        q, k, v, out, lse, seed_offset, cu_seqlens_q, cu_seqlens_k,
+        *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen), *_seq_strides(out, varlen),
+        *_lse_strides(lse, varlen),
+        nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
+        qk_scale, cap_log2, dropout_p, window_left, window_right,
+        HEADDIM=headdim, BLOCK_D=triton.next_power_of_2(headdim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        **_common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse
+
+
+@attn_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed_offset, dropout_p, softmax_scale,
+      window_left, window_right, softcap):
+    varlen = cu_seqlens_q is not None
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
+        _lse_shape(q, varlen), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashpatch::attn_bwd", mutates_args=(), device_types=("cuda", "cpu"))
+def attn_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    seed_offset: Optional[torch.Tensor],
+    dropout_p: float,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dq, dk, dv) shaped like q, k, v (contiguous)."""
+    _check_runnable(q)
+    varlen = cu_seqlens_q is not None
+    nheads, headdim = q.shape[-2], q.shape[-1]
+    nheads_k = k.shape[-2]
+    batch = _batch_size(q, cu_seqlens_q)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    cfgs = kernel_config.configs_for(headdim, q.is_cuda)
+    qk_scale, cap_log2 = _scales(softmax_scale, softcap)
+    flags = _common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype)
+    block_d = triton.next_power_of_2(headdim)
+
+    delta = torch.empty_like(lse)
+    pre = cfgs.bwd_dq
+    attn_bwd_preprocess_kernel[(batch * nheads, triton.cdiv(max_seqlen_q, pre.block_m))](
+        out, dout, delta, cu_seqlens_q,
+        *_seq_strides(out, varlen), *_seq_strides(dout, varlen), *_lse_strides(lse, varlen),
+        nheads, max_seqlen_q,
+        HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=pre.block_m, IS_VARLEN=varlen,
+    )
+
+    atomic_dq = cfgs.atomic_dq and not deterministic
+    # fp32 accumulator for atomic dQ; otherwise dQ gets its own pass and the pointer is unused.
+    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else dq
+    c = cfgs.bwd_dkdv
+    attn_bwd_dkdv_kernel[(batch * nheads_k, triton.cdiv(max_seqlen_k, c.block_n))](
+        q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k,
+        *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
+        *_seq_strides(dout, varlen), *_seq_strides(dq_accum, varlen), *_seq_strides(dk, varlen),
+        *_seq_strides(dv, varlen), *_lse_strides(lse, varlen),
+        nheads, nheads_k, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
+        qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
+        HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq, **flags,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+    if atomic_dq:
+        dq.copy_(dq_accum)
+    else:
+        c = cfgs.bwd_dq
+        attn_bwd_dq_kernel[(batch * nheads, triton.cdiv(max_seqlen_q, c.block_m))](
+            q, k, v, dout, lse, delta, dq, seed_offset, cu_seqlens_q, cu_seqlens_k,
+            *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
+            *_seq_strides(dout, varlen), *_seq_strides(dq, varlen), *_lse_strides(lse, varlen),
+            nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
+            qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
+            HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, **flags,
+            num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+    return dq, dk, dv
+
+
+@attn_bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed_offset, dropout_p,
+      softmax_scale, window_left, window_right, softcap, deterministic):
+    fresh = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
+    return fresh(q), fresh(k), fresh(v)
+
+
+def dropout_pattern(
+    seed_offset: torch.Tensor, batch: int, nheads: int, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float
+) -> torch.Tensor:
+    """(batch, nheads, max_seqlen_q, max_seqlen_k) float: +1 where the attention kernels keep a weight, -1 where
+    they drop it, for the call that used `seed_offset`."""
+    _check_runnable(seed_offset)
+    out = torch.empty(batch, nheads, max_seqlen_q, max_seqlen_k, dtype=torch.float32, device=seed_offset.device)
+    if out.numel():
+        block = 32
+        grid = (triton.cdiv(max_seqlen_q, block), triton.cdiv(max_seqlen_k, block), batch * nheads)
+        dropout_mask_kernel[grid](out, seed_offset, nheads, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  BLOCK_M=block, BLOCK_N=block)
+    return out
+
+
+def draw_seed_offset(device: torch.device) -> torch.Tensor:
+    """A fresh (seed, offset) pair from torch's generator for `device`, kept on the device (no host sync).
+
+    The offset is kept below 2^32 so that offset + element position never overflows the 64-bit counter."""
+    raw = torch.randint(0, 2**62, (2,), device=device, dtype=torch.int64)
+    return torch.stack([raw[0], raw[1] >> 30])

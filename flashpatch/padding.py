@@ -1,0 +1,78 @@
+"""Moving between padded (batch, seqlen, ...) tensors and unpadded (total_tokens, ...) ones.
+
+The unpadded layout is what `flash_attn_varlen_func` takes: the real tokens of every sequence back to back,
+with `cu_seqlens` (int32, batch + 1 entries) giving where each sequence starts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _check_mask(attention_mask: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must be 2-D (batch, seqlen), got shape {tuple(attention_mask.shape)}")
+    if hidden is not None and tuple(hidden.shape[:2]) != tuple(attention_mask.shape):
+        raise ValueError(
+            f"hidden states (batch, seqlen) = {tuple(hidden.shape[:2])} do not match "
+            f"attention_mask shape {tuple(attention_mask.shape)}"
+        )
+
+
+def cu_seqlens_from_lengths(seqlens: torch.Tensor) -> torch.Tensor:
+    """(batch,) lengths -> (batch + 1,) int32 cumulative offsets starting at 0."""
+    return F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
+
+
+def unpad_input(
+    hidden_states: torch.Tensor,  # (B, S, ...)
+    attention_mask: torch.Tensor,  # (B, S), nonzero = real token
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """Drop padding tokens. Works for left and right padding, and for holes anywhere.
+
+    Returns:
+        unpadded:   (total_tokens, ...) the real tokens, sequence after sequence
+        indices:    (total_tokens,) int64 flat positions of those tokens in (B * S)
+        cu_seqlens: (B + 1,) int32
+        max_seqlen: int, the longest sequence (a Python int: the kernel grid needs it on the host)
+        seqlens:    (B,) int32 tokens per sequence
+    """
+    _check_mask(attention_mask, hidden_states)
+    seqlens = attention_mask.sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
+    max_seqlen = int(seqlens.max().item()) if seqlens.numel() else 0
+    cu_seqlens = cu_seqlens_from_lengths(seqlens)
+    flat = hidden_states.reshape(-1, *hidden_states.shape[2:])
+    return flat[indices], indices, cu_seqlens, max_seqlen, seqlens
+
+
+def pad_input(
+    unpadded: torch.Tensor,  # (total_tokens, ...)
+    indices: torch.Tensor,  # (total_tokens,)
+    batch: int,
+    seqlen: int,
+) -> torch.Tensor:
+    """Inverse of `unpad_input`: scatter tokens back to (batch, seqlen, ...), zeros at padding."""
+    out = unpadded.new_zeros(batch * seqlen, *unpadded.shape[1:])
+    out = out.index_put((indices,), unpadded)  # out-of-place, so autograd flows to `unpadded`
+    return out.reshape(batch, seqlen, *unpadded.shape[1:])
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Packed rows: a position id of 0 starts a new document.
+
+    position_ids (B, S) or (S,) -> (cu_seqlens over the flattened B * S tokens as int32, max_seqlen).
+    Every row must start a document (position 0 at its first token), since documents never span rows.
+    """
+    if position_ids.dim() not in (1, 2):
+        raise ValueError(f"position_ids must be (batch, seqlen) or (seqlen,), got {tuple(position_ids.shape)}")
+    rows = position_ids if position_ids.dim() == 2 else position_ids[None]
+    if rows.shape[1] and bool((rows[:, 0] != 0).any()):
+        raise ValueError(f"each packed row must start at position 0; first positions are {rows[:, 0].tolist()}")
+    flat = rows.flatten()
+    starts = torch.nonzero(flat == 0, as_tuple=False).flatten().to(torch.int32)
+    total = torch.tensor([flat.numel()], dtype=torch.int32, device=flat.device)
+    cu_seqlens = torch.cat([starts, total])
+    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item()) if starts.numel() else 0
+    return cu_seqlens, max_seqlen
