@@ -6,6 +6,7 @@
 
 from flashpatch.interface import flash_attn_func, flash_attn_varlen_func
 from flashpatch.padding import cu_seqlens_from_position_ids, pad_input, unpad_input
+from flashpatch.integrations import ATTN_IMPLEMENTATION, patch_model, unpatch_model  # registers "fpatch"
 
 __version__ = "0.1.0"
 
@@ -15,4 +16,7 @@ __all__ = [
     "unpad_input",
     "pad_input",
     "cu_seqlens_from_position_ids",
+    "patch_model",
+    "unpatch_model",
+    "ATTN_IMPLEMENTATION",
 ]

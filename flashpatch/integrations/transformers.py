@@ -1,0 +1,208 @@
+"""flashpatch as a transformers attention implementation: one generic attention function for every model.
+
+Registered at `import flashpatch` under ATTN_IMPLEMENTATION ("fpatch": the name must not contain "flash", which
+transformers routes to its online kernel hub), together with the matching mask function (`hf_masks.fpatch_mask`;
+without one, transformers hands a custom implementation no padding mask at all). After that,
+`from_pretrained(..., attn_implementation="fpatch")` works, and `patch_model` switches an existing model.
+
+Batch layouts, decided per call from what the mask function returned and the kwargs:
+    2D bool padding mask            -> unpad q/k/v -> flash_attn_varlen_func -> pad back  (left/right padding, q < kv)
+    2D negative int32 document ids  -> flash_attn_varlen_func over documents             (packed rows, position_ids)
+    cu_seq_lens_q/k (+ max_length)  -> flash_attn_varlen_func                            (DataCollatorWithFlattening)
+    nothing                         -> flash_attn_func                                   (dense, bottom-right causal)
+    4D mask                         -> exact PyTorch fallback, warned once               (patterns kernels can't express)
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from flashpatch import interface as _kernels
+from flashpatch.integrations.hf_fallback import masked_attention
+from flashpatch.integrations.hf_masks import fpatch_mask, is_document_mask
+from flashpatch.padding import pad_input, unpad_input
+
+ATTN_IMPLEMENTATION = "fpatch"
+
+logger = logging.getLogger("flashpatch")
+_warned: set[str] = set()
+# Incremented on every call; patch_model's first-forward probe reads it to prove the model really dispatches here.
+CALLS = [0]
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message)
+
+
+def _refuse_unsupported(module: torch.nn.Module, s_aux, kwargs: dict) -> None:
+    where = type(module).__name__
+    if s_aux is not None:
+        raise NotImplementedError(
+            f"flashpatch: {where} uses attention sinks (`s_aux`, e.g. gpt-oss); the flashpatch kernels have no sink "
+            "term. Use attn_implementation='eager' or 'sdpa' for this model."
+        )
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError(
+            f"flashpatch: {where} adds a learned position bias to the scores (T5-style); the kernels cannot."
+        )
+    if kwargs.get("output_attentions"):
+        raise ValueError(
+            "flashpatch: output_attentions=True needs the attention probabilities, which a fused kernel never "
+            "materializes. Run that forward with attn_implementation='eager' (unpatch_model, or set_attn_implementation)."
+        )
+    if kwargs.get("block_table") is not None or type(kwargs.get("cache")).__name__ == "PagedAttentionCache":
+        raise NotImplementedError("flashpatch: paged KV caches (continuous batching) are not supported")
+
+
+def _compute_dtype(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dtype:
+    """The dtype the kernels run in; fp32 states are cast down where the model is really half precision."""
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    if torch.float32 in dtypes:
+        device = q.device.type
+        if torch.is_autocast_enabled(device):
+            return torch.get_autocast_dtype(device)  # autocast asked for half precision; fp32 leaked (norms, RoPE)
+        halves = [d for d in dtypes if d in (torch.float16, torch.bfloat16)]
+        if halves:
+            return halves[0]  # e.g. PEFT's fp32 layer norms make q fp32 next to bf16 v
+        weight = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+        return weight if weight in (torch.float16, torch.bfloat16) else torch.float32
+    return q.dtype  # fp16/bf16 mismatch cannot come from autocast: follow the query
+
+
+def _window(sliding_window: int | None, causal: bool) -> tuple[int, int]:
+    """transformers' `sliding_window=W` (attention interface kwarg) -> the kernels' inclusive (left, right).
+
+    transformers counts the window as W keys including the query's own (mask: q - W < k <= q), and for
+    bidirectional layers the module passes W so that |q - k| <= W - 1 (ModernBERT passes local_attention // 2 + 1).
+    Its own flash integration likewise passes (W - 1, W - 1).
+    """
+    if sliding_window is None:
+        return (-1, -1)
+    sliding_window = int(sliding_window)
+    if sliding_window < 1:
+        raise ValueError(f"flashpatch: sliding_window must be >= 1, got {sliding_window}")
+    return (sliding_window - 1, 0 if causal else sliding_window - 1)
+
+
+def _cu_seqlens_from_documents(documents: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(B, S) document ids -> cu_seqlens over the flattened B * S tokens; a row start always starts a document."""
+    starts = torch.ones_like(documents, dtype=torch.bool)  # (B, S)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    begin = torch.nonzero(starts.flatten(), as_tuple=False).flatten().to(torch.int32)
+    cu_seqlens = torch.cat([begin, begin.new_tensor([documents.numel()])])
+    return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+
+
+def _varlen_from_kwargs(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        return None
+    cu_q = (cu_q if cu_q is not None else cu_k).to(torch.int32)
+    cu_k = (cu_k if cu_k is not None else cu_q).to(torch.int32)
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    max_q = int(max_q) if max_q is not None else int((cu_q[1:] - cu_q[:-1]).max().item())
+    max_k = int(max_k) if max_k is not None else int((cu_k[1:] - cu_k[:-1]).max().item())
+    return cu_q, cu_k, max_q, max_k
+
+
+def _run_padded(q, k, v, padding: torch.Tensor, flash_kwargs: dict) -> torch.Tensor:
+    """q (B, Sq, H, D), k/v (B, Sk, Hk, D), padding (B, Sm) bool -> (B, Sq, H, D), zeros at padded queries."""
+    batch, q_len = q.shape[:2]
+    if k.shape[1] > padding.shape[1]:  # static cache: slots past the mask were never written
+        k, v = k[:, : padding.shape[1]], v[:, : padding.shape[1]]
+    padding = padding[:, -k.shape[1] :]
+    k, indices_k, cu_k, max_k, _ = unpad_input(k, padding)  # (Tk, Hk, D)
+    v = v.reshape(-1, *v.shape[2:])[indices_k]
+    if q_len == padding.shape[1]:
+        q, indices_q, cu_q, max_q = q.reshape(-1, *q.shape[2:])[indices_k], indices_k, cu_k, max_k
+    else:  # fewer queries than keys (KV cache): queries are the last q_len positions, as with left padding
+        q, indices_q, cu_q, max_q, _ = unpad_input(q, padding[:, -q_len:])
+    out = _kernels.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **flash_kwargs)  # (Tq, H, D)
+    return pad_input(out, indices_q, batch, q_len)
+
+
+def _run_packed(q, k, v, cu_q, cu_k, max_q, max_k, flash_kwargs: dict) -> torch.Tensor:
+    """Rows hold several documents back to back; no token attends across a document boundary."""
+    batch, q_len = q.shape[:2]
+    q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))  # (B * S, H, D)
+    out = _kernels.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **flash_kwargs)
+    return out.reshape(batch, q_len, *out.shape[1:])
+
+
+def fpatch_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # (B, H, Sq, D)
+    key: torch.Tensor,  # (B, Hk, Sk, D)
+    value: torch.Tensor,  # (B, Hk, Sk, Dv)
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface function. Returns ((B, Sq, H, Dv), None)."""
+    CALLS[0] += 1
+    _refuse_unsupported(module, s_aux, kwargs)
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    softcap = float(softcap) if softcap else 0.0
+
+    if attention_mask is not None and attention_mask.dim() != 2:
+        _warn_once(
+            "mask4d",
+            f"flashpatch: {type(module).__name__} got a {attention_mask.dim()}-D attention mask (a custom mask, or a "
+            "pattern such as chunked attention or image-token blocks that the kernels cannot express); computing "
+            "this attention exactly in plain PyTorch instead (slower, more memory).",
+        )
+        return masked_attention(query, key, value, attention_mask, scaling, dropout, softcap, module.training), None
+
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D): the kernels' layout, no copy
+    dtype = _compute_dtype(module, q, k, v)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    head_dim, v_head_dim = q.shape[-1], v.shape[-1]
+    if v_head_dim != head_dim:  # e.g. MLA: the kernels need one head dim, zero columns of V give zero outputs
+        v = F.pad(v, (0, head_dim - v_head_dim))
+
+    deterministic = kwargs.get("deterministic")
+    flash_kwargs = dict(
+        dropout_p=float(dropout),
+        softmax_scale=float(scaling),
+        causal=causal,
+        window_size=_window(sliding_window, causal),
+        softcap=softcap,
+        deterministic=bool(deterministic if deterministic is not None else torch.are_deterministic_algorithms_enabled()),
+    )
+    packed_kwargs = _varlen_from_kwargs(kwargs)
+    if packed_kwargs is not None:
+        out = _run_packed(q, k, v, *packed_kwargs, flash_kwargs)
+    elif attention_mask is not None and is_document_mask(attention_mask):
+        cu_seqlens, max_seqlen = _cu_seqlens_from_documents(attention_mask)
+        out = _run_packed(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, flash_kwargs)
+    elif attention_mask is not None:
+        if attention_mask.dtype != torch.bool and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError(
+                "flashpatch: a 2-D attention mask must be a 0/1 padding mask (1 = real token); got other values. "
+                "Pass additive masks as 4-D."
+            )
+        out = _run_padded(q, k, v, attention_mask.bool(), flash_kwargs)
+    else:
+        out = _kernels.flash_attn_func(q, k, v, **flash_kwargs)  # (B, Sq, H, D)
+    if v_head_dim != head_dim:
+        out = out[..., :v_head_dim]
+    return out, None
+
+
+def register() -> None:
+    """Make attn_implementation=ATTN_IMPLEMENTATION known to transformers (idempotent, no model touched)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, fpatch_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, fpatch_mask)
