@@ -5,7 +5,7 @@ spread widely (on CPython 3.11: 5% under 71 bytes, median ~6.5 KB, 5% over 75 KB
 real, not simulated. Tokens are bytes (``ByteTokenizer``), so nothing is trained or fetched either.
 
 Public surface:
-    load_default_corpus(max_files=None, max_bytes=8_000_000) -> datasets.Dataset   columns: text, path
+    load_default_corpus(max_files=None, max_bytes=8_000_000, max_file_bytes=None) -> Dataset   columns: text, path
     load_corpus(source)        -> datasets.Dataset   "stdlib" | a local dir/file | a hub dataset name
     ByteTokenizer()            bytes 0-255, then BOS, EOS, PAD
     make_batches(dataset, mode, seq_len, batch_size, seed) -> iterator of dicts of torch tensors
@@ -32,8 +32,13 @@ BATCH_MODES = ("padded", "packed", "unpadded")
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}  # installed packages differ between machines
 
 
-def stdlib_python_files(max_files: int | None = None, max_bytes: int | None = None) -> list[Path]:
+def stdlib_python_files(
+    max_files: int | None = None, max_bytes: int | None = None, max_file_bytes: int | None = None
+) -> list[Path]:
     """The stdlib's .py files in a deterministic order, capped by count and total size.
+
+    max_file_bytes keeps only files up to that size: tiny CPU runs (seq_len 64-128) then still see several
+    documents per packed row and real padding in padded batches.
 
     Order is by SHA-256 of the path relative to the stdlib root: stable across runs and machines with the same
     Python, and a capped prefix samples the whole library instead of the alphabetically first packages.
@@ -44,8 +49,8 @@ def stdlib_python_files(max_files: int | None = None, max_bytes: int | None = No
     chosen, total = [], 0
     for p in files:
         size = p.stat().st_size
-        if size == 0:
-            continue  # empty __init__.py files: not documents
+        if size == 0 or (max_file_bytes is not None and size > max_file_bytes):
+            continue  # empty __init__.py files are not documents
         if max_bytes is not None and total + size > max_bytes:
             continue  # skip this one, a smaller file later may still fit
         chosen.append(p)
@@ -55,12 +60,14 @@ def stdlib_python_files(max_files: int | None = None, max_bytes: int | None = No
     return chosen
 
 
-def load_default_corpus(max_files: int | None = None, max_bytes: int | None = 8_000_000):
+def load_default_corpus(
+    max_files: int | None = None, max_bytes: int | None = 8_000_000, max_file_bytes: int | None = None
+):
     """The stdlib corpus as a `datasets.Dataset` with columns `text` (the file, UTF-8) and `path` (relative)."""
     from datasets import Dataset
 
     root = Path(sysconfig.get_paths()["stdlib"])
-    paths = stdlib_python_files(max_files, max_bytes)
+    paths = stdlib_python_files(max_files, max_bytes, max_file_bytes)
     if not paths:
         raise RuntimeError(f"no .py files found under the stdlib at {root}")
     # errors="replace": a few test files are Latin-1 on purpose; Arrow strings must be valid UTF-8.

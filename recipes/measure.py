@@ -1,0 +1,91 @@
+"""What a training step costs: model FLOPs for MFU, the GPU's peak, and memory readings.
+
+MFU counts useful work only (the PaLM convention): 6 FLOPs per matmul parameter per real token, plus attention's
+two matmuls over the real document lengths (block-diagonal for packed rows, causal halves it). Padding and the extra
+forward of gradient checkpointing are not counted: an implementation that wastes work on pad scores lower.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Dense (no sparsity) bf16/fp16 tensor-core peaks in TFLOP/s, from the vendors' data sheets; matched by substring of
+# torch.cuda.get_device_name(), first hit wins (so "H100 PCIe" precedes "H100").
+PEAK_TFLOPS_16BIT = (
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("H800", 989.0),
+    ("GH200", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("A10G", 125.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+    ("4090", 165.0),
+    ("3090", 71.0),
+    ("V100", 125.0),
+    ("T4", 65.0),
+)
+
+
+def peak_tflops(device: torch.device, override: float = 0.0) -> tuple[float | None, str]:
+    """(peak TFLOP/s, where it came from); (None, reason) where there is no meaningful peak (CPU, unknown GPU)."""
+    if override > 0:
+        return override, "config peak_tflops"
+    if device.type != "cuda":
+        return None, "no MFU on CPU"
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_TFLOPS_16BIT:
+        if key in name:
+            return tflops, f"{name}: dense 16-bit peak"
+    return None, f"unknown GPU {name!r}: set peak_tflops"
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    """Parameters that take part in matmuls: all of them minus the input embedding (a lookup), counted once if tied."""
+    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is embed
+    return total if tied else total - embed.numel()
+
+
+def segment_lengths(batch: dict[str, torch.Tensor]) -> list[int]:
+    """Lengths of the real sequences attention sees: unpadded rows, or documents inside packed rows."""
+    if "attention_mask" in batch:
+        return batch["attention_mask"].sum(dim=1).tolist()
+    lengths = []
+    for row in batch["position_ids"]:  # (S,) per row; a new document wherever the position restarts at 0
+        starts = (row == 0).nonzero().flatten().tolist()
+        if not starts or starts[0] != 0:
+            starts = [0, *starts]
+        bounds = [*starts, row.numel()]
+        lengths += [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    return lengths
+
+
+def train_flops(n_matmul_params: int, n_layers: int, attn_width: int, lengths: list[int], causal: bool = True) -> float:
+    """FLOPs of one forward+backward (backward = 2x forward) over sequences of the given real lengths.
+
+    attn_width = num_heads * head_dim. Forward attention per layer: QKᵀ and PV, 2·L²·width FLOPs each.
+    """
+    tokens = sum(lengths)
+    attn_fwd = 4.0 * n_layers * attn_width * sum(length * length for length in lengths)
+    if causal:
+        attn_fwd /= 2
+    return 6.0 * n_matmul_params * tokens + 3.0 * attn_fwd
+
+
+def rss_gib() -> float | None:
+    """This process's resident memory now (Linux /proc), the CPU stand-in for peak GPU memory."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (OSError, ValueError):
+        return None

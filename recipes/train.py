@@ -1,0 +1,334 @@
+"""Train one causal LM with each attention implementation in turn and compare: same model, data and seed.
+
+    accelerate launch --config_file configs/accelerate/cpu.yaml recipes/train.py --config configs/tiny_cpu.yaml
+    accelerate launch --config_file configs/accelerate/single_gpu.yaml recipes/train.py \
+        --config configs/llama_1b.yaml --seq_len 4096 --batch_size 2
+
+Per implementation: tokens/s on real (non-pad) tokens summed over ranks, step time, peak allocated/reserved GPU
+memory per rank (process RSS on CPU), MFU, the loss of every step. Warm-up steps are trained but not measured.
+An out-of-memory run is a result ("OOM"); an implementation that cannot run here is "skipped" with the reason.
+Writes <output_dir>/results.json, throughput.png, memory.png, loss.png, and prints a markdown table last.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    # Without CUDA, flashpatch's Triton kernels run in the interpreter; the flag is read when triton is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(1, str(REPO))  # run from a checkout without `pip install -e .`
+
+import measure  # noqa: E402  (recipes/ is sys.path[0] when this file is run)
+import report  # noqa: E402
+from train_config import TrainConfig, parse_config, to_dict  # noqa: E402
+
+OOM_ERRORS = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),)
+
+
+def import_flashpatch():
+    """(module, None) or (None, why): a broken flashpatch skips its column instead of stopping the comparison."""
+    try:
+        import flashpatch
+
+        return flashpatch, None
+    except Exception as exc:  # noqa: BLE001 - any import failure is reported, not raised
+        return None, f"import flashpatch failed: {type(exc).__name__}: {exc}"
+
+
+def import_corpus():
+    """flashpatch.corpus, loaded by file path if the package itself fails to import (eager/sdpa still run)."""
+    try:
+        from flashpatch import corpus
+
+        return corpus
+    except Exception:  # noqa: BLE001
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("flashpatch_corpus", REPO / "flashpatch" / "corpus.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["flashpatch_corpus"] = module
+        spec.loader.exec_module(module)
+        return module
+
+
+class HubTokenizer:
+    """A transformers tokenizer behind the two things make_batches uses (for `--model` runs only)."""
+
+    def __init__(self, name: str):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(name)
+        self.bos_token_id = self.tok.bos_token_id
+        self.eos_token_id = self.tok.eos_token_id
+        self.pad_token_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        self.vocab_size = len(self.tok)
+
+    def encode_np(self, text: str, max_length: int | None = None):
+        import numpy as np
+
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        ids = [i for i in (self.bos_token_id, *ids, self.eos_token_id) if i is not None]
+        return np.asarray(ids[:max_length] if max_length else ids, dtype=np.int64)
+
+
+def build_model(cfg: TrainConfig, attn: str, tokenizer, device: torch.device):
+    """The model for one implementation; torch.manual_seed first, so every implementation starts from the same init."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    if cfg.model:
+        return AutoModelForCausalLM.from_pretrained(
+            cfg.model, attn_implementation=attn, attention_dropout=cfg.attention_dropout
+        )
+    head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_heads
+    intermediate = cfg.intermediate_size or -(-(cfg.hidden_size * 8 // 3) // 64) * 64
+    vocab = cfg.vocab_size or -(-tokenizer.vocab_size // 64) * 64
+    config = AutoConfig.for_model(
+        cfg.model_family,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=intermediate,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        max_position_embeddings=max(cfg.seq_len, 2048),
+        attention_dropout=cfg.attention_dropout,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=False,
+    )
+    # Initialise directly on the GPU: a 1B model initialises in well under a second there, ~10 s on the host.
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+
+
+def _sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_one(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer) -> dict:
+    """Warm-up + measured steps for one implementation; returns this rank's raw measurements."""
+    from tqdm.auto import tqdm
+
+    device = accelerator.device
+    model = build_model(cfg, "fpatch" if impl == "fpatch" else impl, tokenizer, device)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    n_matmul = measure.matmul_params(model)
+    mcfg = model.config
+    head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
+    attn_width = mcfg.num_attention_heads * head_dim  # query heads x head dim: the width of QKᵀ and PV
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.train()
+
+    raw = {"losses": [], "step_times": [], "tokens": 0, "padded_tokens": 0, "flops": 0.0, "rss": []}
+    total = cfg.warmup_steps + cfg.steps
+    bar = tqdm(total=total, desc=impl, disable=not accelerator.is_local_main_process, dynamic_ncols=True)
+    for step, batch in enumerate(batches):
+        batch_dev = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        _sync(device)
+        start = time.perf_counter()
+        loss = model(**batch_dev, use_cache=False).loss
+        accelerator.backward(loss)
+        if cfg.max_grad_norm > 0:
+            accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        elapsed = time.perf_counter() - start
+
+        mean_loss = accelerator.reduce(loss.detach().float(), reduction="mean").item()  # the curve: mean over ranks
+        raw["losses"].append(mean_loss)
+        raw["rss"].append(measure.rss_gib())
+        if step >= cfg.warmup_steps:
+            raw["step_times"].append(elapsed)
+            lengths = measure.segment_lengths(batch)
+            raw["tokens"] += sum(lengths)
+            raw["padded_tokens"] += batch["input_ids"].numel()
+            raw["flops"] += measure.train_flops(n_matmul, mcfg.num_hidden_layers, attn_width, lengths)
+        bar.set_postfix(loss=f"{mean_loss:.3f}", ms=f"{1000 * elapsed:.0f}")
+        bar.update()
+    bar.close()
+    raw["attn_implementation"] = getattr(mcfg, "_attn_implementation", impl)
+    raw["n_matmul_params"] = n_matmul
+    return raw
+
+
+def run_implementation(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer, skip_reason) -> dict:
+    """One row of the comparison. Errors become the row's status; memory is freed for the next implementation."""
+    result = {"implementation": impl, "status": "ok", "reason": None}
+    if skip_reason:
+        return {**result, "status": "skipped", "reason": skip_reason}
+    device = accelerator.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    raw = None
+    try:
+        raw = train_one(impl, cfg, accelerator, batches, tokenizer)
+    except OOM_ERRORS as exc:
+        result.update(status="OOM", reason=str(exc).splitlines()[0][:200])
+    except Exception as exc:  # noqa: BLE001 - one implementation's failure must not stop the others
+        traceback.print_exc()
+        result.update(status="skipped", reason=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+    # Outside the except blocks: the traceback (and the model it references) is gone; free the rest.
+    accelerator.free_memory()
+    gc.collect()
+
+    world = accelerator.num_processes
+    if device.type == "cuda":
+        mem = torch.tensor(
+            [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
+            dtype=torch.float64,
+            device=device,
+        )
+        mem = accelerator.gather(mem).view(world, 2).cpu() / 2**30  # (ranks, [allocated, reserved]) in GiB
+        result["peak_allocated_gib"] = [round(x, 3) for x in mem[:, 0].tolist()]
+        result["peak_reserved_gib"] = [round(x, 3) for x in mem[:, 1].tolist()]
+        result["memory_note"] = "torch.cuda.max_memory_allocated/reserved per rank, reset before the model was built"
+        torch.cuda.empty_cache()
+    else:
+        rss = max((r for r in (raw or {}).get("rss", []) if r is not None), default=0.0)
+        result["peak_rss_gib"] = [round(x, 3) for x in accelerator.gather(torch.tensor([rss])).tolist()]
+        result["memory_note"] = "CPU: process RSS sampled after each step (includes what earlier runs left cached)"
+    if raw is None:
+        return result
+
+    stats = torch.tensor([raw["tokens"], raw["padded_tokens"], sum(raw["step_times"]), raw["flops"]], dtype=torch.float64)
+    stats = accelerator.gather(stats.to(device)).view(world, 4).cpu()  # (ranks, 4)
+    tokens, padded, flops = stats[:, 0].sum().item(), stats[:, 1].sum().item(), stats[:, 3].sum().item()
+    seconds = stats[:, 2].max().item()  # the slowest rank sets the pace under DDP/FSDP
+    peak, _ = measure.peak_tflops(device, cfg.peak_tflops)
+    measured = raw["losses"][cfg.warmup_steps :]
+    result.update(
+        attn_implementation=raw["attn_implementation"],
+        tokens_per_s=tokens / seconds,
+        tokens_per_s_per_rank=[round(t / s, 1) for t, s in zip(stats[:, 0].tolist(), stats[:, 2].tolist())],
+        step_time_ms=1000 * statistics.mean(raw["step_times"]),
+        step_time_ms_median=1000 * statistics.median(raw["step_times"]),
+        measured_steps=len(raw["step_times"]),
+        real_tokens=int(tokens),
+        padded_tokens=int(padded),
+        padding_fraction=1 - tokens / padded,
+        model_tflops_per_s=flops / seconds / 1e12,
+        mfu=(flops / seconds) / (peak * 1e12 * world) if peak else None,
+        losses=raw["losses"],
+        final_loss=raw["losses"][-1],
+        mean_measured_loss=statistics.mean(measured),
+        n_matmul_params=raw["n_matmul_params"],
+    )
+    return result
+
+
+def environment(accelerator, flashpatch, fp_error, cfg: TrainConfig) -> dict:
+    import accelerate
+    import transformers
+    import triton
+
+    device = accelerator.device
+    peak, peak_source = measure.peak_tflops(device, cfg.peak_tflops)
+    try:
+        import datasets
+
+        datasets_version = datasets.__version__
+    except ImportError:
+        datasets_version = None
+    return {
+        "device_type": device.type,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "world_size": accelerator.num_processes,
+        "distributed_type": str(accelerator.distributed_type),
+        "mixed_precision": accelerator.mixed_precision,
+        "peak_tflops": peak,
+        "peak_tflops_source": peak_source,
+        "triton_interpret": os.environ.get("TRITON_INTERPRET"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__,
+        "datasets": datasets_version,
+        "flashpatch": getattr(flashpatch, "__version__", None),
+        "flashpatch_error": fp_error,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from accelerate import Accelerator
+
+    cfg = parse_config(argv)
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision)
+    flashpatch, fp_error = import_flashpatch()
+    corpus = import_corpus()
+
+    tokenizer = HubTokenizer(cfg.model) if cfg.model else corpus.ByteTokenizer()
+    source_kwargs = {}
+    if cfg.dataset == "stdlib":
+        source_kwargs = {"max_bytes": cfg.corpus_max_bytes, "max_file_bytes": cfg.corpus_max_file_bytes or None}
+    dataset = corpus.load_corpus(cfg.dataset, **source_kwargs)
+    # The same batches for every implementation, made once (data time stays out of the step time); each rank
+    # draws its own stream so data-parallel ranks see different documents.
+    stream = corpus.make_batches(
+        dataset,
+        cfg.data_mode,
+        cfg.seq_len,
+        cfg.batch_size,
+        seed=cfg.seed * 1000 + accelerator.process_index,
+        tokenizer=tokenizer,
+        num_batches=cfg.warmup_steps + cfg.steps,
+    )
+    batches = list(stream)
+
+    results = []
+    for impl in cfg.implementations:
+        reason = fp_error if impl == "fpatch" else None
+        results.append(run_implementation(impl, cfg, accelerator, batches, tokenizer, reason))
+        accelerator.wait_for_everyone()
+
+    out = {
+        "config": to_dict(cfg),
+        "environment": environment(accelerator, flashpatch, fp_error, cfg),
+        "data": {
+            "documents": len(dataset),
+            "note": "padded and unpadded batches are the same tensors: eager/sdpa/flex run them padded, "
+            "fpatch unpads them into its varlen kernel",
+        },
+        "results": results,
+    }
+    if accelerator.is_main_process:
+        out_dir = Path(cfg.output_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        files = [report.write_json(out, out_dir)]
+        if cfg.plots:
+            files += report.write_plots(out, out_dir)
+        print("\nwrote " + ", ".join(str(f) for f in files), file=sys.stderr)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    if accelerator.is_main_process:
+        sys.stderr.flush()
+        # Last on stdout, so `... | tail` shows it.
+        print(f"\n## {cfg.name}: {cfg.data_mode}, seq {cfg.seq_len}, batch {cfg.batch_size} x {accelerator.num_processes}, "
+              f"{out['environment']['device_name']}, {accelerator.mixed_precision}\n")
+        print(report.markdown_table(out), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Settings of recipes/train.py: one dataclass, filled from defaults < YAML file < command line.
+
+Every field is a command-line option of the same name: `--seq_len 4096`, `--implementations sdpa,fpatch`,
+`--gradient_checkpointing true`. Unknown YAML keys are errors, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "fpatch")
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
+
+
+@dataclass
+class TrainConfig:
+    # --- what is compared ---
+    name: str = ""  # run name; "" = the YAML file's stem. Output goes to runs/<name> unless output_dir is set
+    implementations: list[str] = field(default_factory=lambda: ["eager", "sdpa", "fpatch"])  # run in this order
+
+    # --- model: built from these fields with random weights, unless `model` is set ---
+    model: str = ""  # a local path or hub name: load its weights and tokenizer instead (needs the hub or files)
+    model_family: str = "llama"  # a transformers model_type: llama, mistral, qwen2, qwen3, ...
+    hidden_size: int = 64
+    intermediate_size: int = 0  # 0 = 8/3 * hidden rounded up to a multiple of 64 (the Llama ratio)
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2  # < num_heads = grouped-query attention
+    head_dim: int = 0  # 0 = hidden_size // num_heads
+    vocab_size: int = 0  # 0 = the byte tokenizer's 259 rounded up to 320 (a multiple of 64 for tensor cores)
+    tie_word_embeddings: bool = False
+    attention_dropout: float = 0.0  # set on the model config; active because the model trains in train() mode
+
+    # --- data ---
+    dataset: str = "stdlib"  # "stdlib" (embedded, no download), a local folder/file, or a hub dataset name
+    corpus_max_bytes: int = 8_000_000  # cap on the stdlib corpus: enough distinct documents, fast to load
+    corpus_max_file_bytes: int = 0  # keep only stdlib files up to this size (0 = all): short documents for tiny runs
+    data_mode: str = "packed"  # padded | packed | unpadded (see flashpatch.corpus.make_batches)
+    seq_len: int = 64
+    batch_size: int = 4  # per process
+
+    # --- training ---
+    steps: int = 8  # measured steps, after the warm-up
+    warmup_steps: int = 2  # run but not measured: allocator growth, autotuning, compilation
+    learning_rate: float = 3e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0  # 0 = no clipping
+    gradient_checkpointing: bool = False
+    mixed_precision: str = "no"  # no | bf16 | fp16, through Accelerator(mixed_precision=...)
+    seed: int = 0  # same model init and same batches for every implementation
+
+    # --- reporting ---
+    output_dir: str = ""  # "" = runs/<name>
+    peak_tflops: float = 0.0  # the GPU's dense bf16/fp16 peak for MFU; 0 = look it up from the GPU's name
+    plots: bool = True
+
+
+def _parse_value(text: str, annotation: str):
+    """Command-line text -> the field's type (annotations are strings under `from __future__ import annotations`)."""
+    if annotation == "bool":
+        lowered = text.lower()
+        if lowered not in ("true", "false", "1", "0", "yes", "no"):
+            raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+        return lowered in ("true", "1", "yes")
+    if annotation == "int":
+        return int(text)
+    if annotation == "float":
+        return float(text)
+    if annotation.startswith("list"):
+        return [item.strip() for item in text.split(",") if item.strip()]
+    return text
+
+
+def _check(cfg: TrainConfig) -> TrainConfig:
+    unknown = [i for i in cfg.implementations if i not in IMPLEMENTATIONS]
+    if unknown:
+        raise ValueError(f"unknown implementations {unknown}; choose from {IMPLEMENTATIONS}")
+    if cfg.data_mode not in ("padded", "packed", "unpadded"):
+        raise ValueError(f"data_mode must be padded, packed or unpadded, got {cfg.data_mode!r}")
+    if cfg.mixed_precision not in ("no", "bf16", "fp16"):
+        raise ValueError(f"mixed_precision must be no, bf16 or fp16, got {cfg.mixed_precision!r}")
+    if cfg.steps < 1 or cfg.warmup_steps < 0:
+        raise ValueError("need steps >= 1 and warmup_steps >= 0")
+    return cfg
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    """`--config file.yaml` (default configs/tiny_cpu.yaml) plus `--field value` overrides."""
+    parser = argparse.ArgumentParser(description="Compare attention implementations on one training recipe.")
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="recipe YAML (default: %(default)s)")
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for name, f in fields.items():
+        parser.add_argument(
+            f"--{name}", default=None, type=lambda s, a=str(f.type): _parse_value(s, a), help=f"type {f.type}"
+        )
+    args = parser.parse_args(argv)
+
+    values = yaml.safe_load(Path(args.config).read_text()) or {}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(f"{args.config}: unknown keys {unknown}")
+    for name, value in values.items():
+        if isinstance(value, str) or (str(fields[name].type) == "float" and isinstance(value, int)):
+            values[name] = _parse_value(str(value), str(fields[name].type))  # YAML reads 3e-4 as a string
+    for name in fields:
+        override = getattr(args, name)
+        if override is not None:
+            values[name] = override
+    cfg = TrainConfig(**values)
+    if not cfg.name:
+        cfg.name = Path(args.config).stem
+    if not cfg.output_dir:
+        cfg.output_dir = str(Path("runs") / cfg.name)
+    return _check(cfg)
+
+
+def to_dict(cfg: TrainConfig) -> dict[str, typing.Any]:
+    return dataclasses.asdict(cfg)
