@@ -12,6 +12,8 @@ Public surface:
         mode "padded" / "unpadded": right-padded to the batch's longest document, attention_mask, labels (-100 on pad)
         mode "packed": rows of exactly seq_len, position_ids restarting at 0 per document, labels -100 at each
                        document start (DataCollatorWithFlattening's convention), no attention_mask.
+        mode "dense":  rows of exactly seq_len cut from the same document stream, plain causal attention across
+                       document boundaries (GPT-style pretraining): no mask, no position_ids, every attention path fast.
 
 The corpus depends on the interpreter's stdlib, so it is deterministic per Python version, not across versions.
 `datasets` is imported inside functions: importing flashpatch must not pay for it.
@@ -28,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-BATCH_MODES = ("padded", "packed", "unpadded")
+BATCH_MODES = ("padded", "packed", "unpadded", "dense")
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}  # installed packages differ between machines
 
 
@@ -167,6 +169,8 @@ def make_batches(
         start (transformers builds a block-diagonal causal mask from them for eager/sdpa; flashpatch goes varlen),
         labels are -100 at each document's first token so no document predicts across a boundary, and every
         token is real (no pad, no attention_mask).
+    dense: (B, seq_len) like packed, but only input_ids and labels: each row is one causal sequence that may cross
+        document boundaries (the BOS/EOS bytes mark them), the layout of ordinary pretraining.
     """
     if mode not in BATCH_MODES:
         raise ValueError(f"mode must be one of {BATCH_MODES}, got {mode!r}")
@@ -184,7 +188,7 @@ def make_batches(
             yield _padded_batch([tok.encode_np(texts[next(docs)], seq_len) for _ in range(batch_size)], tok.pad_token_id)
         return
 
-    # packed: a buffer of tokens and their positions; refill document by document.
+    # packed / dense: a buffer of tokens and their positions; refill document by document.
     ids_buf, pos_buf = np.empty(0, np.int64), np.empty(0, np.int64)
     need = batch_size * seq_len
     for _ in batches:
@@ -203,6 +207,9 @@ def make_batches(
         position_ids = torch.from_numpy(pos_all[:need].reshape(batch_size, seq_len).copy())  # (B, S)
         # Each row's first token starts a (part-)document: restart its positions there so rows are independent.
         position_ids = _restart_rows(position_ids)
+        if mode == "dense":
+            yield {"input_ids": input_ids, "labels": input_ids.clone()}
+            continue
         labels = input_ids.masked_fill(position_ids == 0, -100)
         yield {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
 

@@ -56,9 +56,11 @@ def matmul_params(model: torch.nn.Module) -> int:
 
 
 def segment_lengths(batch: dict[str, torch.Tensor]) -> list[int]:
-    """Lengths of the real sequences attention sees: unpadded rows, or documents inside packed rows."""
+    """Lengths of the real sequences attention sees: unpadded rows, documents inside packed rows, or whole rows."""
     if "attention_mask" in batch:
         return batch["attention_mask"].sum(dim=1).tolist()
+    if "position_ids" not in batch:  # dense rows: one causal sequence each
+        return [batch["input_ids"].shape[1]] * batch["input_ids"].shape[0]
     lengths = []
     for row in batch["position_ids"]:  # (S,) per row; a new document wherever the position restarts at 0
         starts = (row == 0).nonzero().flatten().tolist()

@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
     from accelerate import Accelerator
 
     cfg = parse_config(argv)
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision)
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision or None)
     flashpatch, fp_error = import_flashpatch()
     corpus = import_corpus()
 

@@ -41,7 +41,7 @@ class TrainConfig:
     dataset: str = "stdlib"  # "stdlib" (embedded, no download), a local folder/file, or a hub dataset name
     corpus_max_bytes: int = 8_000_000  # cap on the stdlib corpus: enough distinct documents, fast to load
     corpus_max_file_bytes: int = 0  # keep only stdlib files up to this size (0 = all): short documents for tiny runs
-    data_mode: str = "packed"  # padded | packed | unpadded (see flashpatch.corpus.make_batches)
+    data_mode: str = "packed"  # padded | packed | unpadded | dense (see flashpatch.corpus.make_batches)
     seq_len: int = 64
     batch_size: int = 4  # per process
 
@@ -52,7 +52,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0  # 0 = no clipping
     gradient_checkpointing: bool = False
-    mixed_precision: str = "no"  # no | bf16 | fp16, through Accelerator(mixed_precision=...)
+    mixed_precision: str = ""  # no | bf16 | fp16 through Accelerator(mixed_precision=...); "" = accelerate's setting
     seed: int = 0  # same model init and same batches for every implementation
 
     # --- reporting ---
@@ -81,9 +81,9 @@ def _check(cfg: TrainConfig) -> TrainConfig:
     unknown = [i for i in cfg.implementations if i not in IMPLEMENTATIONS]
     if unknown:
         raise ValueError(f"unknown implementations {unknown}; choose from {IMPLEMENTATIONS}")
-    if cfg.data_mode not in ("padded", "packed", "unpadded"):
-        raise ValueError(f"data_mode must be padded, packed or unpadded, got {cfg.data_mode!r}")
-    if cfg.mixed_precision not in ("no", "bf16", "fp16"):
+    if cfg.data_mode not in ("padded", "packed", "unpadded", "dense"):
+        raise ValueError(f"data_mode must be padded, packed, unpadded or dense, got {cfg.data_mode!r}")
+    if cfg.mixed_precision not in ("", "no", "bf16", "fp16"):
         raise ValueError(f"mixed_precision must be no, bf16 or fp16, got {cfg.mixed_precision!r}")
     if cfg.steps < 1 or cfg.warmup_steps < 0:
         raise ValueError("need steps >= 1 and warmup_steps >= 0")
