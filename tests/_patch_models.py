@@ -49,14 +49,21 @@ def _cfg(name: str):
     if name == "gpt2":
         return tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if name == "stablelm":
+        return tf.StableLmConfig(**dict(COMMON, num_key_value_heads=2), partial_rotary_factor=0.5, qk_layernorm=True)
+    if name == "modernbert":  # alternating global / local layers; local window of 4 keys each side
+        return tf.ModernBertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, global_attn_every_n_layers=2, local_attention=8,
+                                   max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                   sep_token_id=2, cls_token_id=1)
     if name == "bert":
         return tf.BertConfig(**{k: v for k, v in COMMON.items() if k not in ("bos_token_id", "eos_token_id")})
     raise KeyError(name)
 
 
 DECODERS = ["llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "starcoder2",
-            "gpt_neox", "gpt2"]
-ENCODERS = ["bert"]
+            "gpt_neox", "gpt2", "stablelm"]
+ENCODERS = ["bert", "modernbert"]
 
 
 def config(name: str):
