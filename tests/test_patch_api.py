@@ -5,12 +5,6 @@ from __future__ import annotations
 import logging
 import os
 
-if "TRITON_INTERPRET" not in os.environ:
-    import torch as _torch
-
-    if not _torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"  # before flashpatch is imported (conftest does the same)
-
 import pytest
 import torch
 import transformers as tf
@@ -20,8 +14,14 @@ import flashpatch
 from flashpatch.integrations import hf_masks
 from flashpatch.integrations import transformers as fp_hf
 
-from _patch_models import SEQ, VOCAB, as_float64, build
-from test_patch import assert_as_accurate_as_eager, padded_batch
+from ._patch_models import SEQ, VOCAB, as_float64, build
+from .test_patch import assert_as_accurate_as_eager, padded_batch
+
+# These run CPU tensors through the Triton interpreter (float32 parity); on a CUDA machine conftest leaves it off.
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="CPU-interpreter tests: run with TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= on a GPU machine",
+)
 
 NAME = flashpatch.ATTN_IMPLEMENTATION
 
@@ -96,8 +96,12 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attentio
                                                                  n_head=4)), "AttentionInterface"),
         (lambda: AutoModelForSeq2SeqLM.from_config(tf.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=96,
                                                                num_layers=1, num_heads=4)), "_supports_flash_attn"),
+        (lambda: AutoModelForSeq2SeqLM.from_config(tf.BartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=1,
+                                                                 decoder_layers=1, encoder_attention_heads=4,
+                                                                 decoder_attention_heads=4, encoder_ffn_dim=96,
+                                                                 decoder_ffn_dim=96)), "cross-attention"),
     ],
-    ids=["falcon", "bloom", "t5"],
+    ids=["falcon", "bloom", "t5", "bart"],
 )
 def test_unsupported_models_are_refused_at_patch_time(make, match):
     model = make()

@@ -54,6 +54,13 @@ def _check_supported(models: list) -> None:
                 "(`_supports_flash_attn = False`), i.e. its attention needs something a flash kernel does not "
                 "compute (e.g. additive position biases)."
             )
+    for config in _all_configs(models):
+        if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
+            raise NotImplementedError(
+                f"flashpatch cannot patch {type(models[0]).__name__}: it has cross-attention "
+                f"({type(config).__name__}: is_encoder_decoder / add_cross_attention), whose 2-D padding mask "
+                "belongs to the encoder keys only; flashpatch's padded path does not support that layout yet."
+            )
 
 
 def _install_probe(model: torch.nn.Module, state: dict) -> None:
