@@ -147,6 +147,10 @@ def attn_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dq, dk, dv) shaped like q, k, v (contiguous)."""
     _check_runnable(q)
+    # Incoming gradients can be broadcast views (stride 0, e.g. from a sum); the kernels need unit stride in
+    # the last dimension. User inputs are validated instead, never copied.
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
     varlen = cu_seqlens_q is not None
     nheads, headdim = q.shape[-2], q.shape[-1]
     nheads_k = k.shape[-2]
