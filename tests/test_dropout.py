@@ -1,0 +1,112 @@
+"""Attention dropout: Philox mask keyed by (seed, offset) and element position, replayed in backward."""
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import flashpatch
+from flashpatch.kernels import config as kernel_config
+from flashpatch.kernels.config import LaunchConfig
+from flashpatch.reference import attention_reference
+from tests.helpers import check_against_reference, random_qkv
+
+
+def _run(q, k, v, p, **kwargs):
+    out, lse, pattern = flashpatch.flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True, **kwargs)
+    return out, pattern
+
+
+def test_keep_fraction_and_exact_scaling():
+    p = 0.3
+    batch, nheads, seqlen, headdim = 2, 2, 64, 64  # v = identity: out rows are the dropped probabilities
+    q = torch.randn(batch, seqlen, nheads, headdim)
+    k = torch.randn(batch, seqlen, nheads, headdim)
+    v = torch.eye(seqlen)[None, :, None, :].expand(batch, seqlen, nheads, headdim).contiguous()
+    out, pattern = _run(q, k, v, p)
+    keep = pattern > 0
+    assert set(pattern.unique().tolist()) == {-1.0, 1.0}
+    probs = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) / headdim**0.5, dim=-1)
+    dropped = out.permute(0, 2, 1, 3).double()  # (B, H, Sq, Sk) = P * Z / (1 - p)
+    assert (dropped[~keep] == 0).all()
+    ratio = dropped[keep] / probs[keep]
+    torch.testing.assert_close(ratio, torch.full_like(ratio, 1 / (1 - p)), rtol=2e-5, atol=0)
+
+    big = flashpatch.ops.dropout_pattern(flashpatch.ops.draw_seed_offset(q.device), 4, 4, 128, 128, 0.1)
+    kept_fraction = (big > 0).double().mean().item()  # 262k draws: std of the fraction is 6e-4
+    assert abs(kept_fraction - 0.9) < 0.01, kept_fraction
+
+
+@pytest.mark.parametrize(
+    "batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, kwargs",
+    [
+        (2, 37, 37, 2, 1, 32, torch.float32, {}),
+        (1, 113, 50, 4, 2, 40, torch.float32, {"causal": True}),
+        (2, 17, 70, 3, 3, 64, torch.float16, {"causal": True}),
+        (1, 60, 60, 2, 1, 32, torch.float32, {"window_size": (9, 4), "softcap": 4.0}),
+    ],
+)
+def test_matches_reference_built_on_the_kernels_mask(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype,
+                                                     kwargs):
+    p = 0.17
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype)
+    out, pattern = _run(q, k, v, p, **kwargs)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(out, grads, q, k, v, dout, dropout_p=p, dropout_keep=pattern > 0, **kwargs)
+
+
+def test_same_seed_same_bits_new_draw_new_mask():
+    q, k, v = random_qkv(1, 40, 40, 2, 1, 32, torch.float16)
+    dout = torch.randn(1, 40, 2, 32, dtype=torch.float16)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(1234)
+        out, pattern = _run(q, k, v, 0.25, causal=True)
+        runs.append((out, pattern, *torch.autograd.grad(out, (q, k, v), dout)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    out3, pattern3 = _run(q, k, v, 0.25, causal=True)  # no reseed: the generator moved on
+    assert not torch.equal(pattern3, runs[0][1])
+    assert not torch.equal(out3, runs[0][0])
+
+
+def test_mask_does_not_depend_on_block_sizes():
+    q, k, v = random_qkv(1, 70, 90, 2, 1, 32, torch.float32)
+    dout = torch.randn(1, 70, 2, 32)
+    results = []
+    for blocks in ((16, 16), (32, 64)):
+        cfg = LaunchConfig(*blocks)
+        with kernel_config.override(fwd=cfg, bwd_dq=cfg, bwd_dkdv=LaunchConfig(blocks[1], blocks[0])):
+            torch.manual_seed(7)
+            out, pattern = _run(q, k, v, 0.4, causal=True)
+            results.append((out, pattern, *torch.autograd.grad(out, (q, k, v), dout)))
+    (out_a, pattern_a, *grads_a), (out_b, pattern_b, *grads_b) = results
+    assert torch.equal(pattern_a, pattern_b)
+    # Tilings sum in different orders, so equal masks mean equal up to fp32 rounding; a different mask would be
+    # off by O(1). Both also match the reference built on that mask.
+    for a, b in zip((out_a, *grads_a), (out_b, *grads_b)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    check_against_reference(out_a, grads_a, q, k, v, dout, dropout_p=0.4, dropout_keep=pattern_a > 0, causal=True)
+
+
+def test_checkpoint_recompute_gives_same_grads():
+    q, k, v = random_qkv(2, 33, 33, 2, 2, 32, torch.float32)
+
+    def layer(q, k, v):
+        return flashpatch.flash_attn_func(q, k, v, dropout_p=0.3, causal=True).square().sum()
+
+    torch.manual_seed(3)
+    plain = torch.autograd.grad(layer(q, k, v), (q, k, v))
+    torch.manual_seed(3)
+    loss = checkpoint(layer, q, k, v, use_reentrant=False, preserve_rng_state=True)
+    recomputed = torch.autograd.grad(loss, (q, k, v))
+    for a, b in zip(plain, recomputed):
+        assert torch.equal(a, b)
+
+
+def test_zero_dropout_is_the_plain_path():
+    q, k, v = random_qkv(1, 20, 20, 1, 1, 32, torch.float32, requires_grad=False)
+    out, lse, pattern = flashpatch.flash_attn_func(q, k, v, dropout_p=0.0, return_attn_probs=True)
+    assert pattern is None
+    ref, _ = attention_reference(q.double(), k.double(), v.double())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)

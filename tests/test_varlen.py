@@ -1,0 +1,122 @@
+"""flash_attn_varlen_func: unpadded batches equal per-sequence dense runs and padded runs; helpers; validation."""
+
+import pytest
+import torch
+
+import flashpatch
+from flashpatch.padding import cu_seqlens_from_lengths
+from flashpatch.reference import varlen_attention_reference
+from tests.helpers import assert_close_to_reference, GRAD_FACTOR, OUT_FACTOR
+
+
+def _packed(lengths_q, lengths_k, nheads, nheads_k, headdim, dtype):
+    q = torch.randn(sum(lengths_q), nheads, headdim, dtype=dtype, requires_grad=True)
+    k = torch.randn(sum(lengths_k), nheads_k, headdim, dtype=dtype, requires_grad=True)
+    v = torch.randn(sum(lengths_k), nheads_k, headdim, dtype=dtype, requires_grad=True)
+    cu_q = cu_seqlens_from_lengths(torch.tensor(lengths_q))
+    cu_k = cu_seqlens_from_lengths(torch.tensor(lengths_k))
+    return q, k, v, cu_q, cu_k
+
+
+def _check_varlen(lengths_q, lengths_k, nheads, nheads_k, headdim, dtype, dropout_p=0.0, **kwargs):
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, nheads, nheads_k, headdim, dtype)
+    out, lse, pattern = flashpatch.flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), dropout_p=dropout_p, return_attn_probs=True, **kwargs)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    keep = None if pattern is None else pattern > 0
+    results = []
+    for ref_dtype in (torch.float64, dtype):
+        leaves = [t.detach().to(ref_dtype).requires_grad_() for t in (q, k, v)]
+        ref, ref_lse = varlen_attention_reference(*leaves, cu_q, cu_k, dropout_keep=keep, dropout_p=dropout_p,
+                                                  upcast=False, **kwargs)
+        results.append((ref, ref_lse, torch.autograd.grad(ref, leaves, dout.to(ref_dtype))))
+    (out64, lse64, grads64), (out_pt, _, grads_pt) = results
+    magnitude = max(t.abs().max().item() for t in (out64, *grads64) if t.numel())
+    assert_close_to_reference("out", out, out64, out_pt, OUT_FACTOR, magnitude)
+    for name, g, g64, gpt in zip(("dq", "dk", "dv"), grads, grads64, grads_pt):
+        assert_close_to_reference(name, g, g64, gpt, GRAD_FACTOR, magnitude)
+    assert lse.shape == (nheads, sum(lengths_q))
+    torch.testing.assert_close(lse, lse64, rtol=1e-3, atol=1e-3)
+    return out, grads
+
+
+@pytest.mark.parametrize(
+    "lengths_q, lengths_k, nheads, nheads_k, headdim, dtype, kwargs",
+    [
+        ([17, 0, 1, 40], [17, 0, 1, 40], 2, 1, 32, torch.float32, {"causal": True}),
+        ([5, 33, 1], [40, 12, 7], 4, 2, 40, torch.float32, {"causal": True}),
+        ([30, 9], [30, 9], 3, 1, 64, torch.float16, {"window_size": (6, 2)}),
+        ([1, 50, 0, 23], [3, 50, 5, 0], 2, 2, 32, torch.float16, {"softcap": 3.0}),
+        ([44, 13], [20, 61], 2, 1, 32, torch.float32, {"dropout_p": 0.2, "causal": True}),
+    ],
+)
+def test_varlen_matches_per_sequence_reference(lengths_q, lengths_k, nheads, nheads_k, headdim, dtype, kwargs):
+    _check_varlen(lengths_q, lengths_k, nheads, nheads_k, headdim, dtype, **kwargs)
+
+
+def test_hundreds_of_length_one_sequences():
+    _check_varlen([1] * 200, [1] * 200, 2, 1, 32, torch.float32, causal=True)
+
+
+def test_varlen_equals_padded_dense_on_valid_rows():
+    """Same tokens run padded through flash_attn_func (right-padded; causal rows see only real keys
+    because padding sits after them) and unpadded through the varlen path."""
+    lengths = [23, 7, 40]
+    batch, seqlen, nheads, headdim = len(lengths), max(lengths), 2, 32
+    q, k, v, cu, _ = _packed(lengths, lengths, nheads, nheads, headdim, torch.float32)
+    mask = torch.arange(seqlen)[None, :] < torch.tensor(lengths)[:, None]  # (B, S)
+    _, indices, cu_seqlens, max_seqlen, _ = flashpatch.unpad_input(torch.zeros(batch, seqlen, 1), mask)
+    assert torch.equal(cu_seqlens, cu) and max_seqlen == seqlen
+    padded = [flashpatch.pad_input(t, indices, batch, seqlen) for t in (q, k, v)]  # differentiable
+    dout = torch.randn_like(q)
+    torch.manual_seed(11)
+    out_var = flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, causal=True, dropout_p=0.1)
+    grads_var = torch.autograd.grad(out_var, (q, k, v), dout)
+    torch.manual_seed(11)  # same (seed, offset): packed and padded layouts must draw the same bits
+    out_pad = flashpatch.flash_attn_func(*padded, causal=True, dropout_p=0.1)
+    out_pad_valid = out_pad.reshape(batch * seqlen, nheads, headdim)[indices]
+    grads_pad = torch.autograd.grad(out_pad_valid, (q, k, v), dout)
+    torch.testing.assert_close(out_var, out_pad_valid, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads_var, grads_pad):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_position_ids_mark_documents():
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]])
+    cu, max_len = flashpatch.cu_seqlens_from_position_ids(position_ids)
+    assert cu.tolist() == [0, 3, 5, 6, 12] and cu.dtype == torch.int32 and max_len == 6
+    with pytest.raises(ValueError, match="start at position 0"):
+        flashpatch.cu_seqlens_from_position_ids(torch.tensor([[1, 2, 0]]))
+
+
+def test_unpad_pad_round_trip_left_padding():
+    hidden = torch.randn(2, 5, 3)
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    unpadded, indices, cu, max_len, lens = flashpatch.unpad_input(hidden, mask)
+    assert unpadded.shape == (8, 3) and cu.tolist() == [0, 3, 8] and max_len == 5 and lens.tolist() == [3, 5]
+    back = flashpatch.pad_input(unpadded, indices, 2, 5)
+    torch.testing.assert_close(back, hidden * mask[..., None])
+
+
+BAD_CU = [
+    (lambda cu: cu.long(), TypeError, "int32"),
+    (lambda cu: cu[None], ValueError, "1-D"),
+    (lambda cu: cu + 1, ValueError, "start at 0"),
+    (lambda cu: torch.tensor([0, 9, 5, 12], dtype=torch.int32), ValueError, "non-decreasing"),
+    (lambda cu: torch.tensor([0, 3, 5, 11], dtype=torch.int32), ValueError, r"\[-1\] = 11 must equal .* 12"),
+    (lambda cu: cu[:3], ValueError, "same length"),
+]
+
+
+@pytest.mark.parametrize("corrupt, error, match", BAD_CU, ids=[b[2] for b in BAD_CU])
+def test_bad_cu_seqlens_are_clear_errors(corrupt, error, match):
+    q, k, v, cu, _ = _packed([3, 2, 7], [3, 2, 7], 2, 1, 16, torch.float32)
+    with pytest.raises(error, match=match):
+        flashpatch.flash_attn_varlen_func(q, k, v, corrupt(cu), cu, 7, 7)
+
+
+def test_max_seqlen_too_small_is_a_clear_error():
+    q, k, v, cu, _ = _packed([3, 9], [3, 9], 1, 1, 16, torch.float32)
+    with pytest.raises(ValueError, match="length 9 > max_seqlen 4"):
+        flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, 4, 9)
