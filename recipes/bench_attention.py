@@ -25,6 +25,10 @@ from pathlib import Path
 
 import torch
 
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(1, str(REPO))  # import flashpatch from this checkout without `pip install -e .`
+
 PEERS = ("fpatch", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex")
 
 
@@ -149,12 +153,14 @@ def make_flex(case: Case, dtype, device):
     if case.dropout:
         raise NotImplementedError("FlexAttention has no attention dropout")
     if "fn" not in _FLEX:
-        import torch._dynamo
+        from torch import _dynamo, _functorch
 
         # one compiled graph per shape; the default cache limit (8) would drop later shapes to uncompiled flex
         for knob in ("cache_size_limit", "recompile_limit"):
-            if hasattr(torch._dynamo.config, knob):
-                setattr(torch._dynamo.config, knob, 64)
+            if hasattr(_dynamo.config, knob):
+                setattr(_dynamo.config, knob, 64)
+        # the backward-only timing replays one graph (retain_graph=True), which donated buffers forbid
+        _functorch.config.donated_buffer = False
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     flex = _FLEX["fn"]
     if case.varlen:

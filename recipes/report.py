@@ -22,7 +22,7 @@ def markdown_table(report: dict) -> str:
     on_gpu = report["environment"]["device_type"] == "cuda"
     mem_cols = "peak alloc GiB | peak reserved GiB" if on_gpu else "peak RSS GiB (process, CPU)"
     lines = [
-        f"| implementation | status | tokens/s | vs sdpa | step ms | {mem_cols} | MFU | final loss |",
+        f"| implementation | status | tokens/s | vs sdpa | step ms mean / median | {mem_cols} | MFU | final loss |",
         "|---|---|---|---|---|" + ("---|---|" if on_gpu else "---|") + "---|---|",
     ]
     for r in results:
@@ -40,7 +40,8 @@ def markdown_table(report: dict) -> str:
         mfu = r.get("mfu")
         lines.append(
             f"| {r['implementation']} | {status} | {_fmt(r.get('tokens_per_s'), ',.0f')} | "
-            f"{_fmt(speedup, '.2f')}{'x' if speedup is not None else ''} | {_fmt(r.get('step_time_ms'), '.1f')} | "
+            f"{_fmt(speedup, '.2f')}{'x' if speedup is not None else ''} | "
+            f"{_fmt(r.get('step_time_ms'), '.1f')} / {_fmt(r.get('step_time_ms_median'), '.1f')} | "
             f"{mem} | {_fmt(None if mfu is None else 100 * mfu, '.1f')}{'%' if mfu is not None else ''} | "
             f"{_fmt(r.get('final_loss'), '.4f')} |"
         )

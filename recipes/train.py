@@ -136,6 +136,11 @@ def train_one(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer) -> d
     head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
     attn_width = mcfg.num_attention_heads * head_dim  # query heads x head dim: the width of QKᵀ and PV
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    # Linear learning-rate warm-up over the (unmeasured) warm-up steps, then constant: random-init models in bf16
+    # spike without it, and a spike makes the loss curves useless for comparing implementations.
+    ramp = cfg.warmup_steps + 1
+    # Not passed to prepare(): accelerate would step it once per process per step.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / ramp))
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
 
@@ -151,6 +156,7 @@ def train_one(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer) -> d
         if cfg.max_grad_norm > 0:
             accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         optimizer.step()
+        scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
         elapsed = time.perf_counter() - start
@@ -180,6 +186,8 @@ def run_implementation(impl: str, cfg: TrainConfig, accelerator, batches, tokeni
     device = accelerator.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        # Should be ~0: what an earlier implementation's run left allocated would inflate this one's peak.
+        result["allocated_before_gib"] = round(torch.cuda.memory_allocated(device) / 2**30, 3)
     raw = None
     try:
         raw = train_one(impl, cfg, accelerator, batches, tokenizer)
@@ -223,6 +231,7 @@ def run_implementation(impl: str, cfg: TrainConfig, accelerator, batches, tokeni
         tokens_per_s_per_rank=[round(t / s, 1) for t, s in zip(stats[:, 0].tolist(), stats[:, 2].tolist())],
         step_time_ms=1000 * statistics.mean(raw["step_times"]),
         step_time_ms_median=1000 * statistics.median(raw["step_times"]),
+        step_times_ms=[round(1000 * t, 2) for t in raw["step_times"]],  # this rank's measured steps
         measured_steps=len(raw["step_times"]),
         real_tokens=int(tokens),
         padded_tokens=int(padded),
