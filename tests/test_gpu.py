@@ -1,0 +1,138 @@
+"""GPU checks at training sizes, bf16 and fp16 (the CPU interpreter cannot check bf16): `pytest -m gpu`.
+
+Same bar as on CPU: error against float64 within 2x (outputs) / 3x (gradients) of PyTorch's own error in the
+input dtype. scripts/gpu_suite.sh runs these, then the benchmarks.
+"""
+
+import pytest
+import torch
+
+import flashpatch
+from flashpatch.kernels import config as kernel_config
+from flashpatch.padding import cu_seqlens_from_lengths
+from tests.helpers import check_against_reference, random_qkv
+
+pytestmark = pytest.mark.gpu
+DTYPES = [torch.bfloat16, torch.float16]
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, kwargs)
+GRID = [
+    (2, 512, 512, 8, 2, 64, {"causal": True}),
+    (1, 2048, 2048, 4, 4, 128, {}),
+    (1, 2048, 2048, 8, 2, 128, {"causal": True}),
+    (1, 1000, 1531, 6, 2, 96, {"causal": True}),
+    (1, 1531, 1000, 6, 3, 80, {}),
+    (1, 8192, 8192, 2, 1, 128, {"causal": True}),
+    (1, 4096, 4096, 4, 1, 64, {"window_size": (511, 0)}),
+    (2, 1024, 1024, 4, 2, 128, {"softcap": 30.0, "causal": True}),
+    (1, 1024, 1024, 2, 2, 256, {"causal": True}),
+    (3, 777, 777, 4, 4, 64, {"dropout_p": 0.1, "causal": True}),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", GRID, ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-d{c[5]}-"
+                         + "-".join(f"{k}={v}" for k, v in c[6].items()))
+def test_training_sizes_match_float64(case, dtype):
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, kwargs = case
+    torch.manual_seed(0)
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, device="cuda")
+    out, _, pattern = flashpatch.flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_kwargs = dict(kwargs)
+    if pattern is not None:
+        ref_kwargs["dropout_keep"] = pattern > 0
+    check_against_reference(out, grads, q, k, v, dout, **ref_kwargs)
+
+
+@pytest.mark.parametrize("atomic_dq", [False, True])
+def test_dq_strategies_bf16(atomic_dq):
+    q, k, v = random_qkv(2, 1024, 1024, 8, 2, 128, torch.bfloat16, device="cuda")
+    with kernel_config.override(atomic_dq=atomic_dq):
+        out = flashpatch.flash_attn_func(q, k, v, causal=True)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(out, grads, q, k, v, dout, causal=True)
+
+
+def test_varlen_realistic_mix_bf16():
+    from flashpatch.reference import varlen_attention_reference
+    from tests.helpers import assert_close_to_reference
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.exp(torch.empty(24).uniform_(4.2, 8.3, generator=gen)).long().tolist()  # ~64 .. ~4000
+    lengths[3] = 0
+    total = sum(lengths)
+    q = torch.randn(total, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(total, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(total, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cu = cu_seqlens_from_lengths(torch.tensor(lengths, device="cuda"))
+    out = flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    refs = []
+    for dtype in (torch.float64, torch.bfloat16):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        ref, _ = varlen_attention_reference(*leaves, cu, cu, causal=True, upcast=False)
+        refs.append((ref, torch.autograd.grad(ref, leaves, dout.to(dtype))))
+    (out64, g64), (out_pt, g_pt) = refs
+    magnitude = max(t.abs().max().item() for t in (out64, *g64))
+    assert_close_to_reference("out", out, out64, out_pt, 2.0, magnitude)
+    for name, g, a, b in zip(("dq", "dk", "dv"), grads, g64, g_pt):
+        assert_close_to_reference(name, g, a, b, 3.0, magnitude)
+
+
+def test_dropout_keep_fraction_large_tensor():
+    seed_offset = flashpatch.ops.draw_seed_offset(torch.device("cuda"))
+    pattern = flashpatch.ops.dropout_pattern(seed_offset, 4, 16, 2048, 2048, 0.1)  # 268M draws
+    kept = (pattern > 0).double().mean().item()
+    print(f"\nkeep fraction over {pattern.numel():,} draws at p=0.1: {kept:.6f}")
+    assert abs(kept - 0.9) < 0.001
+
+
+def test_deterministic_bitwise_repeat_bf16():
+    q, k, v = random_qkv(2, 1536, 1536, 8, 2, 128, torch.bfloat16, device="cuda")
+    dout = torch.randn(2, 1536, 8, 128, device="cuda", dtype=torch.bfloat16)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        out = flashpatch.flash_attn_func(q, k, v, causal=True, deterministic=True, dropout_p=0.1)
+        runs.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_tensors_over_2_pow_31_elements():
+    """int64 addressing: 2^31 + 2^24 elements per tensor, unpadded, checked on the last sequence."""
+    nheads, headdim, seqlen = 64, 128, 2048
+    nseq = (2**31 + 2**24) // (nheads * headdim * seqlen) + 1
+    total = nseq * seqlen
+    q, k, v = (torch.randn(total, nheads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    assert q.numel() > 2**31
+    cu = torch.arange(0, total + 1, seqlen, device="cuda", dtype=torch.int32)
+    out = flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, causal=True)
+    last = slice(total - seqlen, total)
+    dout = torch.zeros_like(out)
+    dout[last] = torch.randn(seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    tail = [t[last][None] for t in (q, k, v)]
+    check_against_reference(out[last][None], [g[last][None] for g in (dq, dk, dv)], *tail, dout[last][None],
+                            causal=True)
+
+
+def test_inductor_fullgraph_compile():
+    q, k, v = random_qkv(2, 512, 512, 8, 2, 64, torch.bfloat16, device="cuda")
+
+    def block(q, k, v):
+        return flashpatch.flash_attn_func(torch.nn.functional.gelu(q), k, v, causal=True).float().square().mean()
+
+    compiled = torch.compile(block, fullgraph=True)
+    loss_c = compiled(q, k, v)
+    grads_c = torch.autograd.grad(loss_c, (q, k, v))
+    loss_e = block(q, k, v)
+    grads_e = torch.autograd.grad(loss_e, (q, k, v))
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-2, atol=1e-3)
+    for a, b in zip(grads_c, grads_e):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
