@@ -1,0 +1,279 @@
+"""The recipes' data and reporting, on CPU: corpus, byte tokenizer, batch modes, config parsing, FLOP counting, and a
+smoke run of recipes/train.py through `accelerate launch` (the README's main command, shrunk)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from flashpatch.corpus import (
+    ByteTokenizer,
+    count_tokens,
+    load_default_corpus,
+    make_batches,
+    stdlib_python_files,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "recipes"))
+
+import measure  # noqa: E402
+import report  # noqa: E402
+from train_config import parse_config  # noqa: E402
+
+TOK = ByteTokenizer()
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_default_corpus(max_files=120)
+
+
+@pytest.fixture(scope="module")
+def short_docs():
+    # Files up to 2 KB: several documents per packed row and real padding at seq 512.
+    return load_default_corpus(max_bytes=400_000, max_file_bytes=2048)
+
+
+# --- corpus -------------------------------------------------------------------------------------------------------
+
+
+def test_corpus_is_deterministic_nontrivial_and_varied(corpus):
+    again = load_default_corpus(max_files=120)
+    assert corpus["path"] == again["path"] and corpus["text"] == again["text"]
+    assert len(corpus) == 120
+    lengths = np.array([len(t.encode()) for t in corpus["text"]])
+    assert lengths.sum() > 200_000  # real source code, not stubs
+    assert lengths.min() > 0
+    # natural lengths: spread over orders of magnitude, mostly distinct
+    assert lengths.max() / np.median(lengths) > 4 and np.median(lengths) / lengths.min() > 4
+    assert len(set(lengths.tolist())) > 100
+    assert all(p.endswith(".py") and "site-packages" not in p for p in corpus["path"])
+    root = Path(sysconfig.get_paths()["stdlib"])
+    first = corpus[0]
+    assert (root / first["path"]).read_bytes().decode("utf-8", errors="replace") == first["text"]
+
+
+def test_corpus_caps():
+    files = stdlib_python_files(max_bytes=300_000, max_file_bytes=5_000)
+    sizes = [p.stat().st_size for p in files]
+    assert sum(sizes) <= 300_000 and max(sizes) <= 5_000 and len(files) > 50
+    assert stdlib_python_files(max_files=7) == stdlib_python_files(max_files=7)
+    assert len(stdlib_python_files(max_files=7)) == 7
+
+
+# --- tokenizer ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["", "def f(x):\n    return x  # ok\n", "héllo ✓ 日本語 \U0001f600", "\x00\t\r\n\x7f"])
+def test_tokenizer_round_trip(text):
+    ids = TOK.encode(text)
+    assert ids[0] == TOK.bos_token_id and ids[-1] == TOK.eos_token_id
+    assert all(0 <= i < TOK.vocab_size for i in ids)
+    assert len(ids) == len(text.encode("utf-8")) + 2
+    assert TOK.decode(ids) == text
+    assert TOK.encode_np(text).tolist() == ids
+    assert TOK.encode_np(text, max_length=3).tolist() == ids[:3]
+
+
+def test_tokenizer_round_trips_the_corpus(corpus):
+    for text in corpus["text"][:20]:
+        assert TOK.decode(TOK.encode(text)) == text
+    assert len({TOK.bos_token_id, TOK.eos_token_id, TOK.pad_token_id}) == 3
+    with pytest.raises(ValueError):
+        TOK.decode([TOK.bos_token_id, 65], skip_special_tokens=False)
+
+
+# --- batches ------------------------------------------------------------------------------------------------------
+
+
+def _doc_encodings(ds) -> set[tuple[int, ...]]:
+    return {tuple(TOK.encode(t)) for t in ds["text"]}
+
+
+@pytest.mark.parametrize("mode", ["padded", "unpadded"])
+def test_padded_batches(short_docs, mode):
+    seq_len, bsz = 512, 6
+    docs = _doc_encodings(short_docs)
+    truncated = {d[:seq_len] for d in docs}
+    saw_padding = False
+    for batch in make_batches(short_docs, mode, seq_len, bsz, seed=3, num_batches=8):
+        ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
+        assert set(batch) == {"input_ids", "attention_mask", "labels"}
+        assert ids.shape == mask.shape == labels.shape and ids.shape[0] == bsz and ids.shape[1] <= seq_len
+        lengths = mask.sum(1)
+        assert ids.shape[1] == int(lengths.max())  # padded to the batch's longest, not to seq_len
+        for row in range(bsz):
+            n = int(lengths[row])
+            assert mask[row, :n].all() and not mask[row, n:].any()  # right padding
+            assert tuple(ids[row, :n].tolist()) in truncated  # each row is one document's head
+            assert (ids[row, n:] == TOK.pad_token_id).all()
+        assert torch.equal(labels == -100, mask == 0) and torch.equal(labels[mask == 1], ids[mask == 1])
+        assert count_tokens(batch) == int(mask.sum())
+        saw_padding |= count_tokens(batch) < ids.numel()
+    assert saw_padding  # natural lengths: pad is real, and not counted
+
+
+def test_unpadded_is_the_padded_batch(short_docs):
+    for a, b in zip(
+        make_batches(short_docs, "padded", 256, 4, seed=1, num_batches=3),
+        make_batches(short_docs, "unpadded", 256, 4, seed=1, num_batches=3),
+    ):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_packed_batches(short_docs):
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    seq_len, bsz, n = 512, 4, 6
+    docs = _doc_encodings(short_docs)
+    batches = list(make_batches(short_docs, "packed", seq_len, bsz, seed=0, num_batches=n))
+    for batch in batches:
+        ids, pos, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
+        assert set(batch) == {"input_ids", "position_ids", "labels"}
+        assert ids.shape == pos.shape == labels.shape == (bsz, seq_len)
+        assert count_tokens(batch) == bsz * seq_len and not (ids == TOK.pad_token_id).any()  # no pad at all
+        assert (pos[:, 0] == 0).all()  # every row starts a (part-)document
+        step = torch.diff(pos, dim=1)
+        assert ((step == 1) | (pos[:, 1:] == 0)).all()  # +1 inside a document, restart at 0 between
+        # a document starts exactly where positions restart (a BOS), apart from a row's carried-over head
+        assert torch.equal((ids[:, 1:] == TOK.bos_token_id), (pos[:, 1:] == 0))
+        assert torch.equal(labels == -100, pos == 0) and torch.equal(labels[pos > 0], ids[pos > 0])
+        assert ((pos == 0).sum(1) > 1).any()  # short docs: several per row
+        # transformers segments the rows the same way (that is what eager/sdpa masks are built from)
+        segments = find_packed_sequence_indices(pos)
+        assert torch.equal(torch.diff(segments, dim=1) != 0, pos[:, 1:] == 0)
+    # rows concatenated = whole documents back to back (cut only at row and batch edges)
+    stream = torch.cat([b["input_ids"].flatten() for b in batches]).tolist()
+    starts = [i for i, t in enumerate(stream) if t == TOK.bos_token_id]
+    whole = [tuple(stream[a:b]) for a, b in zip(starts[:-1], starts[1:])]
+    assert len(whole) > 8 and all(d in docs for d in whole)
+
+
+def test_dense_batches(short_docs):
+    for batch in make_batches(short_docs, "dense", 128, 2, seed=0, num_batches=3):
+        assert set(batch) == {"input_ids", "labels"} and torch.equal(batch["input_ids"], batch["labels"])
+        assert batch["input_ids"].shape == (2, 128) and count_tokens(batch) == 256
+
+
+def test_batches_follow_the_seed(short_docs):
+    def take(seed):
+        return [b["input_ids"] for b in make_batches(short_docs, "packed", 128, 2, seed=seed, num_batches=3)]
+
+    assert all(torch.equal(a, b) for a, b in zip(take(5), take(5)))
+    assert not all(torch.equal(a, b) for a, b in zip(take(5), take(6)))
+
+
+def test_bad_mode_is_refused(short_docs):
+    with pytest.raises(ValueError, match="mode"):
+        next(make_batches(short_docs, "ragged", 64, 2))
+
+
+# --- FLOPs, config, report ----------------------------------------------------------------------------------------
+
+
+def test_segment_lengths_and_flops():
+    padded = {"input_ids": torch.zeros(2, 5), "attention_mask": torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])}
+    assert measure.segment_lengths(padded) == [3, 5]
+    packed = {"input_ids": torch.zeros(1, 6), "position_ids": torch.tensor([[0, 1, 0, 1, 2, 0]])}
+    assert measure.segment_lengths(packed) == [2, 3, 1]
+    assert measure.segment_lengths({"input_ids": torch.zeros(3, 4)}) == [4, 4, 4]
+    # 6·N·T + 3 · (4 · layers · width · ΣL² / 2 for causal)
+    assert measure.train_flops(10, 2, 8, [2, 3]) == 6 * 10 * 5 + 3 * (4 * 2 * 8 * 13 / 2)
+    assert measure.train_flops(10, 2, 8, [2, 3], causal=False) == 6 * 10 * 5 + 3 * 4 * 2 * 8 * 13
+
+
+def test_config_yaml_and_overrides(tmp_path):
+    cfg = parse_config(["--config", str(REPO / "configs" / "tiny_cpu.yaml")])
+    assert cfg.name == "tiny_cpu" and cfg.output_dir == os.path.join("runs", "tiny_cpu")
+    assert cfg.implementations == ["eager", "sdpa", "fpatch"] and cfg.learning_rate == pytest.approx(1e-3)
+    cfg = parse_config(
+        ["--config", str(REPO / "configs" / "llama_1b.yaml"), "--seq_len", "4096", "--implementations", "sdpa,fpatch",
+         "--gradient_checkpointing", "true", "--attention_dropout", "0.1"]
+    )
+    assert (cfg.seq_len, cfg.implementations, cfg.gradient_checkpointing, cfg.attention_dropout) == (
+        4096, ["sdpa", "fpatch"], True, 0.1)
+    for name in ("llama_125m", "padded_real_lengths", "dropout"):
+        assert parse_config(["--config", str(REPO / "configs" / f"{name}.yaml")]).name == name
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("seq_lenn: 3\n")
+    with pytest.raises(ValueError, match="seq_lenn"):
+        parse_config(["--config", str(bad)])
+    with pytest.raises(ValueError, match="implementations"):
+        parse_config(["--implementations", "eager,flash_attention_2"])
+
+
+def test_oom_is_a_result_and_the_next_implementation_runs(monkeypatch, short_docs):
+    import train
+    from accelerate import Accelerator
+
+    cfg = parse_config(["--config", str(REPO / "configs" / "tiny_cpu.yaml"), "--steps", "2", "--warmup_steps", "1",
+                        "--hidden_size", "32", "--num_heads", "2", "--num_kv_heads", "1", "--seq_len", "32"])
+    accelerator = Accelerator(cpu=True)
+    batches = list(make_batches(short_docs, "packed", 32, 2, seed=0, num_batches=3))
+    real_train_one = train.train_one
+
+    def oom_for_eager(impl, *args):
+        if impl == "eager":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+        return real_train_one(impl, *args)
+
+    monkeypatch.setattr(train, "train_one", oom_for_eager)
+    rows = [train.run_implementation(i, cfg, accelerator, batches, TOK, None) for i in ("eager", "sdpa")]
+    rows.append(train.run_implementation("fpatch", cfg, accelerator, batches, TOK, "import flashpatch failed: X"))
+    assert rows[0]["status"] == "OOM" and "out of memory" in rows[0]["reason"]
+    assert rows[1]["status"] == "ok" and len(rows[1]["losses"]) == 3 and rows[1]["tokens_per_s"] > 0
+    assert rows[2]["status"] == "skipped" and "import flashpatch failed" in rows[2]["reason"]
+    fake = {"config": {"name": "t", "warmup_steps": 1}, "environment": {"device_type": "cpu"}, "results": rows}
+    table = report.markdown_table(fake)
+    assert "| eager | OOM: CUDA out of memory" in table and "| sdpa | ok |" in table and "| fpatch | skipped" in table
+
+
+# --- the recipe end to end ----------------------------------------------------------------------------------------
+
+
+def test_train_smoke_run(tmp_path):
+    """`accelerate launch recipes/train.py` with eager, sdpa and fpatch (Triton interpreter) on a tiny model."""
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs/accelerate/cpu.yaml"),
+        str(REPO / "recipes" / "train.py"), "--config", str(REPO / "configs" / "tiny_cpu.yaml"),
+        "--implementations", "eager,sdpa,fpatch", "--seq_len", "64", "--batch_size", "2", "--steps", "2",
+        "--warmup_steps", "1", "--hidden_size", "32", "--num_heads", "2", "--num_kv_heads", "1",
+        "--intermediate_size", "64", "--corpus_max_bytes", "300000", "--output_dir", str(out),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("TRITON_INTERPRET", None)  # train.py must set it by itself when there is no CUDA
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    res = json.loads((out / "results.json").read_text())
+    assert res["environment"]["device_type"] == "cpu" and res["environment"]["triton_interpret"] == "1"
+    assert res["config"]["data_mode"] == "packed" and res["config"]["seq_len"] == 64
+    rows = {r["implementation"]: r for r in res["results"]}
+    assert list(rows) == ["eager", "sdpa", "fpatch"]
+    for r in rows.values():
+        assert r["status"] == "ok", r
+        assert r["attn_implementation"] == r["implementation"]
+        assert len(r["losses"]) == 3 and r["measured_steps"] == 2 and len(r["step_times_ms"]) == 2
+        assert r["real_tokens"] == r["padded_tokens"] == 2 * 2 * 64  # packed: every token is real
+        assert r["tokens_per_s"] > 0 and r["mfu"] is None and r["peak_rss_gib"][0] > 0
+    # same init, same batches: eager and sdpa agree tightly in fp32, fpatch (varlen kernel, interpreted) closely
+    for impl in ("sdpa", "fpatch"):
+        np.testing.assert_allclose(rows[impl]["losses"], rows["eager"]["losses"], rtol=1e-4)
+    assert rows["eager"]["losses"][-1] < rows["eager"]["losses"][0]  # it trains
+    for png in ("throughput.png", "memory.png", "loss.png"):
+        assert (out / png).stat().st_size > 5_000
+
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert lines[-5].startswith("| implementation | status | tokens/s")  # the table is the last thing on stdout
+    assert lines[-4].startswith("|---|")
+    assert [line.split("|")[1].strip() for line in lines[-3:]] == ["eager", "sdpa", "fpatch"]
