@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import flashpatch
-from flashpatch.corpus import ByteTokenizer, load_default_corpus, make_batches
+from flashpatch.corpus import ByteTokenizer, load_default_corpus, make_batches, stdlib_python_files
 
 from ._patch_models import as_float64
 
@@ -37,14 +37,21 @@ def mini_llama(hidden: int, heads: int, kv_heads: int, seed: int = 0):
     return tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
 
+def corpus_texts(max_files: int) -> list[str]:
+    try:
+        return list(load_default_corpus(max_files=max_files)["text"])
+    except ImportError:  # `datasets` missing (as on the GPU image): the same files, read the same way
+        return [p.read_bytes().decode("utf-8", errors="replace") for p in stdlib_python_files(max_files=max_files)]
+
+
 def corpus_batches(steps: int, seq_len: int, batch_size: int, device="cpu") -> list[dict]:
     """Alternating padded / packed batches from the stdlib corpus, with short files mixed in so that padded
     batches really contain padding (most stdlib files are longer than a tiny test's seq_len)."""
-    corpus = load_default_corpus(max_files=400)
-    lengths = [len(t.encode()) for t in corpus["text"]]
+    texts = corpus_texts(max_files=400)
+    lengths = [len(t.encode()) for t in texts]
     short = [i for i, n in enumerate(lengths) if n + 2 < seq_len]  # + BOS, EOS
     rest = [i for i, n in enumerate(lengths) if n + 2 >= seq_len][: 3 * max(len(short), 1)]
-    mixed = corpus.select(short + rest)
+    mixed = {"text": [texts[i] for i in short + rest]}  # make_batches only reads the "text" column
     padded = make_batches(mixed, "padded", seq_len, batch_size, seed=0)
     packed = make_batches(mixed, "packed", seq_len, batch_size, seed=1)
     batches = [next(padded) if step % 2 == 0 else next(packed) for step in range(steps)]
