@@ -70,6 +70,20 @@ def test_corpus_caps():
     assert len(stdlib_python_files(max_files=7)) == 7
 
 
+def test_load_corpus_from_local_files(tmp_path):
+    from flashpatch.corpus import load_corpus
+
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i, text in enumerate(["a = 1\n", "def f():\n    pass\n", "x" * 500]):
+        (folder / f"{i}.py").write_text(text)
+    ds = load_corpus(str(folder))
+    assert ds["text"] == ["a = 1\n", "def f():\n    pass\n", "x" * 500] and ds["path"] == ["0.py", "1.py", "2.py"]
+    one = tmp_path / "one.txt"
+    one.write_text("line one\nline two\n")
+    assert load_corpus(str(one))["text"] == ["line one\nline two\n"]  # a text file is one document
+
+
 # --- tokenizer ----------------------------------------------------------------------------------------------------
 
 
