@@ -22,7 +22,7 @@ for step in $steps; do
   start=$(date +%s)
   case $step in
     tests)
-      python3 -m pytest -m gpu tests -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log"
+      python3 -m pytest -m gpu tests -q -rs -rP -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log"
       summary+=("tests: $(tail -n 1 "$OUT/pytest_gpu.log")") ;;
     tune)
       python3 scripts/tune_kernels.py --out "$OUT" 2>&1 | tee "$OUT/tune.log"
