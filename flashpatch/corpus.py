@@ -185,7 +185,8 @@ def make_batches(
 
     if mode in ("padded", "unpadded"):
         for _ in batches:
-            yield _padded_batch([tok.encode_np(texts[next(docs)], seq_len) for _ in range(batch_size)], tok.pad_token_id)
+            rows = [tok.encode_np(texts[next(docs)], seq_len) for _ in range(batch_size)]
+            yield _padded_batch(rows, tok.pad_token_id)
         return
 
     # packed / dense: a buffer of tokens and their positions; refill document by document.

@@ -215,7 +215,9 @@ def bench_one(peer: str, case: Case, dtype, warmup: int, rep: int) -> dict:
             dout = torch.randn_like(out)
             out.backward(dout)
             fwd = do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-            both = do_bench(lambda: fn().backward(dout), warmup=warmup, rep=rep, grad_to_none=inputs, return_mode="median")
+            both = do_bench(
+                lambda: fn().backward(dout), warmup=warmup, rep=rep, grad_to_none=inputs, return_mode="median"
+            )
             out = fn()
             bwd = do_bench(
                 lambda: out.backward(dout, retain_graph=True), warmup=warmup, rep=rep, grad_to_none=inputs,

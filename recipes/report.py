@@ -30,7 +30,9 @@ def markdown_table(report: dict) -> str:
         if baseline and r["status"] == "ok" and baseline["tokens_per_s"]:
             speedup = r["tokens_per_s"] / baseline["tokens_per_s"]
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')}"[:80]
-        if on_gpu:
+        if r["status"] != "ok":
+            mem = "- | -" if on_gpu else "-"  # a failed run's peak is where it stopped, not a comparison
+        elif on_gpu:
             mem = (
                 f"{_fmt(_max_or_none(r.get('peak_allocated_gib')), '.2f')} | "
                 f"{_fmt(_max_or_none(r.get('peak_reserved_gib')), '.2f')}"
@@ -55,7 +57,7 @@ def write_json(report: dict, out_dir: Path) -> Path:
 
 
 def write_plots(report: dict, out_dir: Path) -> list[Path]:
-    """throughput.png, memory.png, loss.png. Failed/skipped implementations appear with an empty bar and their status."""
+    """throughput.png, memory.png, loss.png. A failed/skipped implementation gets an empty bar and its status."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers

@@ -195,7 +195,8 @@ def run_implementation(impl: str, cfg: TrainConfig, accelerator, batches, tokeni
         result.update(status="OOM", reason=str(exc).splitlines()[0][:200])
     except Exception as exc:  # noqa: BLE001 - one implementation's failure must not stop the others
         traceback.print_exc()
-        result.update(status="skipped", reason=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+        first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
+        result.update(status="skipped", reason=f"{type(exc).__name__}: {first_line}")
     # Outside the except blocks: the traceback (and the model it references) is gone; free the rest.
     accelerator.free_memory()
     gc.collect()
@@ -219,7 +220,8 @@ def run_implementation(impl: str, cfg: TrainConfig, accelerator, batches, tokeni
     if raw is None:
         return result
 
-    stats = torch.tensor([raw["tokens"], raw["padded_tokens"], sum(raw["step_times"]), raw["flops"]], dtype=torch.float64)
+    stats = [raw["tokens"], raw["padded_tokens"], sum(raw["step_times"]), raw["flops"]]
+    stats = torch.tensor(stats, dtype=torch.float64)
     stats = accelerator.gather(stats.to(device)).view(world, 4).cpu()  # (ranks, 4)
     tokens, padded, flops = stats[:, 0].sum().item(), stats[:, 1].sum().item(), stats[:, 3].sum().item()
     seconds = stats[:, 2].max().item()  # the slowest rank sets the pace under DDP/FSDP
@@ -333,8 +335,10 @@ def main(argv: list[str] | None = None) -> dict:
     if accelerator.is_main_process:
         sys.stderr.flush()
         # Last on stdout, so `... | tail` shows it.
-        print(f"\n## {cfg.name}: {cfg.data_mode}, seq {cfg.seq_len}, batch {cfg.batch_size} x {accelerator.num_processes}, "
-              f"{out['environment']['device_name']}, {accelerator.mixed_precision}\n")
+        print(
+            f"\n## {cfg.name}: {cfg.data_mode}, seq {cfg.seq_len}, batch {cfg.batch_size} x "
+            f"{accelerator.num_processes}, {out['environment']['device_name']}, {accelerator.mixed_precision}\n"
+        )
         print(report.markdown_table(out), flush=True)
     return out
 
