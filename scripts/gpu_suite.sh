@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The GPU session in one call: GPU tests, kernel tuning, benchmarks, recipes. Logs under $OUT, a short table last.
-#   bash scripts/gpu_suite.sh [tests] [tune] [bench] [train] ...   (default: tests bench)
-# On the device machine: carry .whl (datasets, dill, multiprocess wheels, see README) and OUT is set.
+# The GPU session in one call: GPU tests, kernel tuning, benchmarks, recipes. A short summary prints last.
+#   bash scripts/gpu_suite.sh [tests] [tune] [bench] [parity] [parity_dropout] [<config name>] ...
+# Logs and reports go to $WORK; after every step they are packed into $OUT/suite.tgz (the device tool returns at
+# most 8 files, and a run cut off by its time limit still returns what was packed). On the device machine, carry
+# .whl (datasets, dill, multiprocess wheels: see docs/recipes.md).
 set -uo pipefail
 OUT=${OUT:-runs/gpu_suite}
-mkdir -p "$OUT"
+WORK=${WORK:-/tmp/gpu_suite}
+mkdir -p "$OUT" "$WORK"
 steps=${*:-tests bench}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
@@ -16,32 +19,48 @@ fi
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton, transformers, accelerate; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"
   python3 -c "import datasets, pyarrow; print('datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)" || echo "datasets import failed"
-} 2>&1 | tee "$OUT/env.txt"
+} 2>&1 | tee "$WORK/env.txt"
+
+train() {  # train NAME CONFIG [overrides...]
+  local name=$1 config=$2; shift 2
+  accelerate launch --config_file configs/accelerate/single_gpu.yaml recipes/train.py --config "configs/$config.yaml" \
+    --output_dir "$WORK/$name" "$@" 2>"$WORK/${name}_progress.log" | tee "$WORK/$name.md"
+}
+
 summary=()
 for step in $steps; do
   start=$(date +%s)
   case $step in
     tests)
-      python3 -m pytest -m gpu tests -q -rs -rP -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log"
-      summary+=("tests: $(tail -n 1 "$OUT/pytest_gpu.log")") ;;
+      python3 -m pytest -m gpu tests -q -rs -rP -p no:cacheprovider 2>&1 | tee "$WORK/pytest_gpu.log"
+      summary+=("tests: $(tail -n 1 "$WORK/pytest_gpu.log")") ;;
     tune)
-      python3 scripts/tune_kernels.py --out "$OUT" 2>&1 | tee "$OUT/tune.log"
-      summary+=("tune: see tune.log") ;;
-    bench)
-      python3 recipes/bench_attention.py --quick --out "$OUT" 2>"$OUT/bench_progress.log" | tee "$OUT/bench.md"
-      summary+=("bench: $OUT/bench.md") ;;
-    bench_full)
-      python3 recipes/bench_attention.py --out "$OUT" 2>"$OUT/bench_progress.log" | tee "$OUT/bench.md"
-      summary+=("bench_full: $OUT/bench.md") ;;
+      python3 scripts/tune_kernels.py --out "$WORK" 2>&1 | tee "$WORK/tune.log"
+      summary+=("tune: tune.log") ;;
+    bench|bench_full)
+      quick=$([ "$step" = bench ] && echo --quick)
+      python3 recipes/bench_attention.py $quick --out "$WORK" 2>"$WORK/bench_progress.log" | tee "$WORK/bench.md"
+      cp "$WORK/bench.md" "$OUT/bench.md"
+      summary+=("$step: bench.md") ;;
+    parity)  # issue 5: ~100M model, bf16, 200 steps, eager against flashpatch, loss curves in one PNG
+      train parity llama_125m --implementations eager,fpatch --data_mode dense --batch_size 4 --steps 200 \
+        --warmup_steps 5
+      summary+=("parity: parity.md") ;;
+    parity_dropout)
+      train parity_dropout llama_125m --implementations eager,fpatch --data_mode dense --batch_size 4 \
+        --steps 200 --warmup_steps 5 --attention_dropout 0.1
+      summary+=("parity_dropout: parity_dropout.md") ;;
     *)
-      if [ -f "configs/$step.yaml" ]; then  # a recipe config name: train it
-        accelerate launch --config_file configs/accelerate/single_gpu.yaml recipes/train.py \
-          --config "configs/$step.yaml" --output_dir "$OUT/$step" 2>"$OUT/${step}_progress.log" | tee "$OUT/$step.md"
-        summary+=("$step: $OUT/$step.md")
+      if [ -f "configs/$step.yaml" ]; then
+        train "$step" "$step"
+        summary+=("$step: $step.md")
       else
-        echo "unknown step $step"; summary+=("$step: unknown")
+        summary+=("$step: unknown step")
       fi ;;
   esac
   summary[-1]="${summary[-1]} ($(( $(date +%s) - start )) s)"
+  printf '%s\n' "${summary[@]}" > "$WORK/summary.txt"
+  tar czf "$OUT/suite.tgz" -C "$WORK" .
 done
-echo; echo "== gpu_suite summary =="; cat "$OUT/env.txt"; printf '%s\n' "${summary[@]}"
+echo; echo "== gpu_suite summary =="; cat "$WORK/env.txt" "$WORK/summary.txt"
+for f in "$WORK"/*.md; do [ -f "$f" ] && { echo; echo "### $(basename "$f")"; tail -n 12 "$f"; }; done

@@ -18,7 +18,7 @@ import triton.language as tl
 from flashpatch.kernels.common import dropout_keep, key_block_range, query_block_range, seq_bounds, tanh, visible
 
 
-@triton.jit(do_not_specialize=["max_seqlen_q"])
+@triton.jit(do_not_specialize=["max_seqlen_q", "stride_lse_b", "stride_lse_h"])
 def attn_bwd_preprocess_kernel(
     O, DO, DELTA, CU_SEQLENS_Q,
     stride_ob, stride_os, stride_oh,
@@ -94,7 +94,7 @@ def _dkdv_inner(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k", "window_left", "window_right"])
+@triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k", "window_left", "window_right", "stride_lse_b", "stride_lse_h"])
 def attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DQ_ACCUM, DK, DV, SEED_OFFSET, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qs, stride_qh,
@@ -213,7 +213,7 @@ def _dq_inner(
     return dq
 
 
-@triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k", "window_left", "window_right"])
+@triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k", "window_left", "window_right", "stride_lse_b", "stride_lse_h"])
 def attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, SEED_OFFSET, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qs, stride_qh,

@@ -50,7 +50,7 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k", "window_left", "window_right"])
+@triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k", "window_left", "window_right", "stride_lse_b", "stride_lse_h"])
 def attn_fwd_kernel(
     Q, K, V, O, LSE, SEED_OFFSET, CU_SEQLENS_Q, CU_SEQLENS_K,
     stride_qb, stride_qs, stride_qh,
