@@ -67,7 +67,15 @@ def compare_runs(name, got, eager, exact, real: torch.Tensor) -> None:
     assert_as_accurate_as_eager(lg[real], le[real], lx[real], f"{name} logits")
     assert_as_accurate_as_eager(Lg, Le, Lx, f"{name} loss")
     assert gg.keys() == gx.keys(), f"{name}: parameters with gradients differ"
+    scale = max(g.abs().max().item() for g in gx.values())
     for param in gx:
+        if gx[param].abs().max().item() <= 1e-9 * scale:
+            # Zero in exact arithmetic (key biases: softmax ignores a shift shared by all keys), so both float32
+            # results are pure rounding noise and "2x eager's error" compares noise with noise. Require rounding
+            # level instead: 4 ulps of the largest gradient of the same backward pass.
+            noise = gg[param].abs().max().item()
+            assert noise <= 4 * EPS32 * scale, f"{name} grad {param}: {noise:.2e}, exact gradient is 0"
+            continue
         assert_as_accurate_as_eager(gg[param], ge[param], gx[param], f"{name} grad {param}")
 
 
