@@ -110,3 +110,30 @@ def test_zero_dropout_is_the_plain_path():
     assert pattern is None
     ref, _ = attention_reference(q.double(), k.double(), v.double())
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_mask_bits_are_independent_like_bernoulli():
+    """No correlation between neighbouring columns, rows, heads, batch entries or consecutive calls, and per-row
+    keep counts spread like a binomial: statistically the same noise as torch's dropout."""
+    p = 0.1
+    draw = lambda: flashpatch.ops.dropout_pattern(  # noqa: E731
+        flashpatch.ops.draw_seed_offset(torch.device("cpu")), 3, 4, 96, 96, p).gt(0).double()
+    z, z_next = draw(), draw()
+
+    def corr(a, b):
+        a, b = a.flatten() - a.mean(), b.flatten() - b.mean()
+        return ((a * b).mean() / (a.std() * b.std())).item(), a.numel()
+
+    pairs = {
+        "columns": (z[..., 1:], z[..., :-1]),
+        "rows": (z[..., 1:, :], z[..., :-1, :]),
+        "heads": (z[:, 1:], z[:, :-1]),
+        "batch": (z[1:], z[:-1]),
+        "calls": (z, z_next),
+    }
+    for name, (a, b) in pairs.items():
+        c, n = corr(a, b)
+        assert abs(c) < 5 / n**0.5, f"{name}: correlation {c:.4f} over {n} pairs"
+    per_row = z.sum(-1).flatten()
+    expected_var = 96 * p * (1 - p)
+    assert 0.75 * expected_var < per_row.var().item() < 1.3 * expected_var
