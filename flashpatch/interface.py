@@ -90,7 +90,9 @@ def flash_attn_varlen_func(
         v: (total_k, nheads_k, headdim)
         cu_seqlens_q: (batch + 1,) int32, sequence b's queries are q[cu_seqlens_q[b] : cu_seqlens_q[b + 1]]
         cu_seqlens_k: (batch + 1,) int32, likewise for keys and values
-        max_seqlen_q, max_seqlen_k: Python ints, the longest sequence (sizes the launch grid)
+        max_seqlen_q, max_seqlen_k: Python ints, at least the longest sequence. They size the launch grid, so an
+            upper bound (e.g. the padded length) is correct and saves a host sync; the dropout bits are keyed on
+            them, so pass the same values to reproduce a mask.
         Other arguments as in `flash_attn_func`; causal and window alignment is bottom-right per sequence.
         Sequences may be empty. Dropout draws, for a token pair, the same bit as `flash_attn_func` does on the
         same batch padded to (max_seqlen_q, max_seqlen_k).
