@@ -16,7 +16,6 @@ Patterns are recognized by an allowlist of transformers' predicate names; anythi
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 import torch
@@ -34,10 +33,11 @@ _REMAP = "remap_positions_for_packed_sequence.<locals>.inner_mask"
 
 
 def _closure(fn: Callable) -> dict:
-    try:
-        return inspect.getclosurevars(fn).nonlocals
-    except (TypeError, ValueError):
+    """The function's free variables by name (read from its cells: torch.compile traces this, not `inspect`)."""
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or not cells:
         return {}
+    return {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells)}
 
 
 def analyze_pattern(mask_function: Callable) -> tuple[bool, torch.Tensor | None]:
@@ -49,7 +49,9 @@ def analyze_pattern(mask_function: Callable) -> tuple[bool, torch.Tensor | None]
     packed_sequence_mask: (B, S) document index per token when transformers detected packed documents (position ids
     that do not step by +1), else None.
     """
-    name = getattr(mask_function, "__qualname__", "")
+    code = getattr(mask_function, "__code__", None)
+    # co_qualname (Python 3.11+) is what torch.compile can read; __qualname__ is the 3.10 fallback.
+    name = getattr(code, "co_qualname", None) or getattr(mask_function, "__qualname__", "")
     closure = _closure(mask_function)
     if name == _PACKED:
         return True, closure.get("packed_sequence_mask")
