@@ -155,6 +155,9 @@ def test_dropout_is_unbiased_in_output_and_gradients():
     for name, target, bucket in zip(("out", "dq", "dk", "dv"), exact, samples):
         stacked = torch.stack(bucket)
         mean, sem = stacked.mean(0), stacked.std(0) / draws**0.5
-        z = ((mean - target.double()).abs() / sem.clamp_min(1e-12))[sem > 1e-9]
+        # Entries whose value no mask can change (causal row 0 sees one key: its dq is 0 for every draw) spread
+        # only by fp32 rounding, so the standard error gets the usual fp32 floor of the quantity's magnitude.
+        floor = 4 * torch.finfo(torch.float32).eps * target.abs().max().item()
+        z = (mean - target.double()).abs() / (sem.square() + floor**2).sqrt()
         assert z.max() < 5.5, f"{name}: mean over {draws} draws is {z.max():.1f} standard errors off"
-        assert z.mean() < 1.2, f"{name}: mean z-score {z.mean():.2f} (unbiased noise gives ~0.8)"
+        assert z.mean() < 1.2, f"{name}: mean z-score {z.mean():.2f} (unbiased noise gives at most ~0.8)"
