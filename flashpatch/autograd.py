@@ -46,7 +46,6 @@ class FlashAttnFunction(torch.autograd.Function):
             return out
         pattern = None
         if seed_offset is not None:
-            batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
-            pattern = ops.dropout_pattern(seed_offset, batch, q.shape[-2], max_seqlen_q, max_seqlen_k,
-                                          args.dropout_p)
+            pattern = ops.dropout_pattern(seed_offset, ops.batch_size(q, cu_seqlens_q), q.shape[-2], max_seqlen_q,
+                                          max_seqlen_k, args.dropout_p)
         return out, lse, pattern

@@ -71,7 +71,7 @@ def _common_flags(varlen, window_left, window_right, softcap, dropout_p, dtype):
     )
 
 
-def _batch_size(q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]) -> int:
+def batch_size(q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]) -> int:
     return cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else q.shape[0]
 
 
@@ -96,7 +96,7 @@ def attn_fwd(
     varlen = cu_seqlens_q is not None
     nheads, headdim = q.shape[-2], q.shape[-1]
     nheads_k = k.shape[-2]
-    batch = _batch_size(q, cu_seqlens_q)
+    batch = batch_size(q, cu_seqlens_q)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
@@ -154,7 +154,7 @@ def attn_bwd(
     varlen = cu_seqlens_q is not None
     nheads, headdim = q.shape[-2], q.shape[-1]
     nheads_k = k.shape[-2]
-    batch = _batch_size(q, cu_seqlens_q)
+    batch = batch_size(q, cu_seqlens_q)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)

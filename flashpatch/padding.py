@@ -70,9 +70,18 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tens
     rows = position_ids if position_ids.dim() == 2 else position_ids[None]
     if rows.shape[1] and bool((rows[:, 0] != 0).any()):
         raise ValueError(f"each packed row must start at position 0; first positions are {rows[:, 0].tolist()}")
-    flat = rows.flatten()
-    starts = torch.nonzero(flat == 0, as_tuple=False).flatten().to(torch.int32)
-    total = torch.tensor([flat.numel()], dtype=torch.int32, device=flat.device)
-    cu_seqlens = torch.cat([starts, total])
-    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item()) if starts.numel() else 0
-    return cu_seqlens, max_seqlen
+    return cu_seqlens_from_starts(rows == 0)
+
+
+def cu_seqlens_from_starts(starts: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """starts: bool, True at each sequence's first token (the first token must be one), any shape; read in
+    flattened order -> (cu_seqlens int32 over the flattened tokens, max_seqlen)."""
+    flat = starts.flatten()
+    begin = torch.nonzero(flat, as_tuple=False).flatten().to(torch.int32)
+    cu_seqlens = torch.cat([begin, begin.new_tensor([flat.numel()])])
+    return cu_seqlens, max_seqlen_from_cu_seqlens(cu_seqlens)
+
+
+def max_seqlen_from_cu_seqlens(cu_seqlens: torch.Tensor) -> int:
+    """The longest sequence (0 for an empty batch). A host sync: the kernel grid is sized on the host."""
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item()) if cu_seqlens.numel() > 1 else 0

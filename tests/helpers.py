@@ -36,20 +36,23 @@ def random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, devi
     return [t.requires_grad_(requires_grad) for t in (q, k, v)]
 
 
-def reference_pair(q, k, v, dout, **kwargs):
-    """(out, grads) in float64 and in the inputs' dtype, from the PyTorch reference."""
+def reference_pair(q, k, v, dout, reference=attention_reference, ref_args=(), **kwargs):
+    """(out, lse, grads) in float64 and in the inputs' dtype, from a PyTorch reference
+    (`attention_reference`, or `varlen_attention_reference` with ref_args=(cu_seqlens_q, cu_seqlens_k))."""
     results = []
     for dtype in (torch.float64, q.dtype):
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        out, _ = attention_reference(*leaves, upcast=False, **kwargs)
+        out, lse = reference(*leaves, *ref_args, upcast=False, **kwargs)
         grads = torch.autograd.grad(out, leaves, dout.to(dtype))
-        results.append((out, grads))
+        results.append((out, lse, grads))
     return results
 
 
-def check_against_reference(out, grads, q, k, v, dout, **kwargs):
-    (out64, grads64), (out_pt, grads_pt) = reference_pair(q, k, v, dout, **kwargs)
+def check_against_reference(out, grads, q, k, v, dout, reference=attention_reference, ref_args=(), **kwargs):
+    """Asserts the 2x / 3x rule for out and (dq, dk, dv); returns the float64 reference's LSE."""
+    (out64, lse64, grads64), (out_pt, _, grads_pt) = reference_pair(q, k, v, dout, reference, ref_args, **kwargs)
     magnitude = max((t.abs().max().item() for t in (out64, *grads64) if t.numel()), default=0.0)
     assert_close_to_reference("out", out, out64, out_pt, OUT_FACTOR, magnitude)
     for name, g, g64, gpt in zip(("dq", "dk", "dv"), grads, grads64, grads_pt):
         assert_close_to_reference(name, g, g64, gpt, GRAD_FACTOR, magnitude)
+    return lse64

@@ -6,7 +6,7 @@ import torch
 import flashpatch
 from flashpatch.padding import cu_seqlens_from_lengths
 from flashpatch.reference import varlen_attention_reference
-from tests.helpers import assert_close_to_reference, GRAD_FACTOR, OUT_FACTOR
+from tests.helpers import check_against_reference
 
 
 def _packed(lengths_q, lengths_k, nheads, nheads_k, headdim, dtype):
@@ -25,17 +25,8 @@ def _check_varlen(lengths_q, lengths_k, nheads, nheads_k, headdim, dtype, dropou
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     keep = None if pattern is None else pattern > 0
-    results = []
-    for ref_dtype in (torch.float64, dtype):
-        leaves = [t.detach().to(ref_dtype).requires_grad_() for t in (q, k, v)]
-        ref, ref_lse = varlen_attention_reference(*leaves, cu_q, cu_k, dropout_keep=keep, dropout_p=dropout_p,
-                                                  upcast=False, **kwargs)
-        results.append((ref, ref_lse, torch.autograd.grad(ref, leaves, dout.to(ref_dtype))))
-    (out64, lse64, grads64), (out_pt, _, grads_pt) = results
-    magnitude = max(t.abs().max().item() for t in (out64, *grads64) if t.numel())
-    assert_close_to_reference("out", out, out64, out_pt, OUT_FACTOR, magnitude)
-    for name, g, g64, gpt in zip(("dq", "dk", "dv"), grads, grads64, grads_pt):
-        assert_close_to_reference(name, g, g64, gpt, GRAD_FACTOR, magnitude)
+    lse64 = check_against_reference(out, grads, q, k, v, dout, reference=varlen_attention_reference,
+                                    ref_args=(cu_q, cu_k), dropout_keep=keep, dropout_p=dropout_p, **kwargs)
     assert lse.shape == (nheads, sum(lengths_q))
     torch.testing.assert_close(lse, lse64, rtol=1e-3, atol=1e-3)
     return out, grads

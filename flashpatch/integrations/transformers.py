@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from flashpatch import interface as _kernels
 from flashpatch.integrations.hf_fallback import masked_attention
 from flashpatch.integrations.hf_masks import fpatch_mask, is_document_mask
-from flashpatch.padding import pad_input, unpad_input
+from flashpatch.padding import cu_seqlens_from_starts, max_seqlen_from_cu_seqlens, pad_input, unpad_input
 
 ATTN_IMPLEMENTATION = "fpatch"
 
@@ -93,9 +93,7 @@ def _cu_seqlens_from_documents(documents: torch.Tensor) -> tuple[torch.Tensor, i
     """(B, S) document ids -> cu_seqlens over the flattened B * S tokens; a row start always starts a document."""
     starts = torch.ones_like(documents, dtype=torch.bool)  # (B, S)
     starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    begin = torch.nonzero(starts.flatten(), as_tuple=False).flatten().to(torch.int32)
-    cu_seqlens = torch.cat([begin, begin.new_tensor([documents.numel()])])
-    return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+    return cu_seqlens_from_starts(starts)
 
 
 def _varlen_from_kwargs(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
@@ -105,8 +103,8 @@ def _varlen_from_kwargs(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, int, 
     cu_q = (cu_q if cu_q is not None else cu_k).to(torch.int32)
     cu_k = (cu_k if cu_k is not None else cu_q).to(torch.int32)
     max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
-    max_q = int(max_q) if max_q is not None else int((cu_q[1:] - cu_q[:-1]).max().item())
-    max_k = int(max_k) if max_k is not None else int((cu_k[1:] - cu_k[:-1]).max().item())
+    max_q = int(max_q) if max_q is not None else max_seqlen_from_cu_seqlens(cu_q)
+    max_k = int(max_k) if max_k is not None else max_seqlen_from_cu_seqlens(cu_k)
     return cu_q, cu_k, max_q, max_k
 
 
