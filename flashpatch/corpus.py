@@ -161,9 +161,11 @@ def make_batches(
     """Training batches from a Dataset with a `text` column; endless (cycling epochs) unless num_batches is given.
 
     padded / unpadded: (B, L) with L = the longest document in the batch (each truncated to seq_len), right padding,
-        attention_mask, labels = input_ids with -100 on pad. The two modes yield the same tensors: "unpadded" names
-        how flashpatch runs them (the patched attention unpads the batch into its varlen kernel); eager and sdpa
-        simply run it padded.
+        attention_mask, labels = input_ids with -100 on pad. The two modes yield the same tensors; they differ in
+        how recipes/train.py feeds them to flashpatch. "padded": as they are (the patched attention unpads each
+        layer's q/k/v into its varlen kernel, the rest of the model still computes on the pad). "unpadded": through
+        `flatten_padded_batch`, one row of real tokens with varlen kwargs, so no layer computes on padding (what
+        transformers' DataCollatorWithFlattening gives flash-attention models). Eager and sdpa run them padded.
     packed: (B, seq_len), documents (BOS ... EOS) concatenated and cut into rows; a document cut at a row end goes on
         at the next row's start, where its positions restart at 0 too. position_ids restart at 0 at every document
         start (transformers builds a block-diagonal causal mask from them for eager/sdpa; flashpatch goes varlen),
@@ -213,6 +215,32 @@ def make_batches(
             continue
         labels = input_ids.masked_fill(position_ids == 0, -100)
         yield {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
+
+
+def flatten_padded_batch(batch: dict[str, torch.Tensor]) -> dict:
+    """A padded batch -> the same documents as one row of real tokens, for varlen attention (no padding at all).
+
+    Returns input_ids, position_ids (restarting at 0 per document) and labels, each (1, T) with T the real tokens,
+    plus transformers' packed-sequence kwargs: cu_seq_lens_q / cu_seq_lens_k (int32, documents + 1) and
+    max_length_q / max_length_k (ints). Each document's first label becomes -100, so no document predicts across a
+    boundary: the loss covers exactly the tokens the padded batch's loss covers.
+    """
+    mask = batch["attention_mask"].bool()  # (B, L)
+    lengths = mask.sum(dim=1)  # (B,)
+    positions = (mask.cumsum(dim=1) - 1)[mask]  # (T,): 0 .. length - 1 per row; works for left padding too
+    labels = batch["labels"][mask].clone()
+    labels[positions == 0] = -100
+    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    longest = int(lengths.max()) if lengths.numel() else 0
+    return {
+        "input_ids": batch["input_ids"][mask][None],
+        "position_ids": positions[None],
+        "labels": labels[None],
+        "cu_seq_lens_q": cu_seqlens,
+        "cu_seq_lens_k": cu_seqlens,
+        "max_length_q": longest,
+        "max_length_k": longest,
+    }
 
 
 def _restart_rows(position_ids: torch.Tensor) -> torch.Tensor:

@@ -39,12 +39,21 @@ def unpad_input(
         seqlens:    (B,) int32 tokens per sequence
     """
     _check_mask(attention_mask, hidden_states)
+    indices, cu_seqlens, max_seqlen = padding_layout(attention_mask)
+    flat = hidden_states.reshape(-1, *hidden_states.shape[2:])
+    return flat[indices], indices, cu_seqlens, max_seqlen, cu_seqlens.diff()
+
+
+def padding_layout(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(B, S) mask, nonzero = real token -> (indices (T,) int64 into B * S, cu_seqlens (B + 1,) int32, max_seqlen).
+
+    Two host syncs (the number of real tokens, the longest sequence): callers that see one mask many times, like
+    the layers of a model, compute this once."""
+    _check_mask(attention_mask)
     seqlens = attention_mask.sum(dim=-1, dtype=torch.int32)
     indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
     max_seqlen = int(seqlens.max().item()) if seqlens.numel() else 0
-    cu_seqlens = cu_seqlens_from_lengths(seqlens)
-    flat = hidden_states.reshape(-1, *hidden_states.shape[2:])
-    return flat[indices], indices, cu_seqlens, max_seqlen, seqlens
+    return indices, cu_seqlens_from_lengths(seqlens), max_seqlen
 
 
 def pad_input(

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session in one call: GPU tests, kernel tuning, benchmarks, recipes. A short summary prints last.
 #   bash scripts/gpu_suite.sh [tests] [tune] [bench] [parity] [parity_dropout] [<config name>] ...
+#   PARITY_SEEDS="0 1 2" repeats parity_dropout per seed.
 # Logs and reports go to $WORK; after every step they are packed into $OUT/suite.tgz (the device tool returns at
 # most 8 files, and a run cut off by its time limit still returns what was packed). On the device machine, carry
 # .whl (datasets, dill, multiprocess wheels: see docs/recipes.md).
@@ -46,9 +47,12 @@ for step in $steps; do
       train parity llama_125m --implementations eager,fpatch --data_mode dense --batch_size 4 --steps 200 \
         --warmup_steps 5
       summary+=("parity: parity.md") ;;
-    parity_dropout)
-      train parity_dropout llama_125m --implementations eager,fpatch --data_mode dense --batch_size 4 \
-        --steps 200 --warmup_steps 5 --attention_dropout 0.1
+    parity_dropout)  # the same with attention dropout 0.1, once per seed in $PARITY_SEEDS (init, data and masks)
+      for seed in ${PARITY_SEEDS:-0}; do
+        train "parity_dropout_s$seed" llama_125m --implementations eager,fpatch --data_mode dense --batch_size 4 \
+          --steps 200 --warmup_steps 5 --attention_dropout 0.1 --seed "$seed"
+      done
+      python3 scripts/dropout_parity.py "$WORK"/parity_dropout_s*/results.json 2>&1 | tee "$WORK/parity_dropout.md"
       summary+=("parity_dropout: parity_dropout.md") ;;
     *)
       if [ -f "configs/$step.yaml" ]; then

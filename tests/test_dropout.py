@@ -1,5 +1,7 @@
 """Attention dropout: Philox mask keyed by (seed, offset) and element position, replayed in backward."""
 
+import itertools
+
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -110,6 +112,38 @@ def test_zero_dropout_is_the_plain_path():
     assert pattern is None
     ref, _ = attention_reference(q.double(), k.double(), v.double())
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+MASK32 = 0xFFFFFFFF
+
+
+def _philox4x32_10(counter: tuple[int, int, int, int], key: tuple[int, int]) -> tuple[int, int, int, int]:
+    """Philox4x32-10 as specified by Salmon et al. (SC'11, Random123), in plain Python integers."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for _ in range(10):
+        prod0, prod1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
+        c0, c1, c2, c3 = ((prod1 >> 32) ^ c1 ^ k0, prod1 & MASK32, (prod0 >> 32) ^ c3 ^ k1, prod0 & MASK32)
+        k0, k1 = (k0 + 0x9E3779B9) & MASK32, (k1 + 0xBB67AE85) & MASK32
+    return c0, c1, c2, c3
+
+
+def test_mask_is_philox4x32_10_at_documented_counters():
+    """The kernels' generator is the standard Philox4x32-10: checked against the published known-answer vector,
+    then bit for bit against the counter layout `dropout_keep` documents (four keys per call)."""
+    assert _philox4x32_10((0, 0, 0, 0), (0, 0)) == (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)
+    batch, nheads, seqlen_q, seqlen_k, p = 2, 3, 5, 13, 0.3  # 13 keys: the last group of each row is partial
+    seed_offset = flashpatch.ops.draw_seed_offset(torch.device("cpu"))
+    seed, offset = seed_offset.tolist()
+    pattern = flashpatch.ops.dropout_pattern(seed_offset, batch, nheads, seqlen_q, seqlen_k, p)
+    p32 = torch.tensor(p, dtype=torch.float32).item()  # the kernels compare in fp32
+    groups_per_row = (seqlen_k + 3) // 4
+    expected = torch.empty_like(pattern)
+    for b, h, i, j in itertools.product(range(batch), range(nheads), range(seqlen_q), range(seqlen_k)):
+        counter = offset + ((b * nheads + h) * seqlen_q + i) * groups_per_row + j // 4
+        bits = _philox4x32_10((counter & MASK32, counter >> 32, 0, 0), (seed & MASK32, seed >> 32))[j % 4]
+        expected[b, h, i, j] = 1.0 if (bits >> 8) / 2**24 >= p32 else -1.0
+    assert torch.equal(pattern, expected), (pattern != expected).sum().item()
 
 
 def test_mask_bits_are_independent_like_bernoulli():

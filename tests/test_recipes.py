@@ -17,6 +17,7 @@ import torch
 from flashpatch.corpus import (
     ByteTokenizer,
     count_tokens,
+    flatten_padded_batch,
     load_default_corpus,
     make_batches,
     stdlib_python_files,
@@ -142,6 +143,26 @@ def test_unpadded_is_the_padded_batch(short_docs):
         make_batches(short_docs, "unpadded", 256, 4, seed=1, num_batches=3),
     ):
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_flatten_padded_batch_keeps_exactly_the_real_tokens(short_docs):
+    """The "unpadded" mode's one-row batch: the same tokens, positions restarting per document, no label that
+    crosses a document boundary, and the same number of predicted tokens as the padded batch."""
+    for batch in make_batches(short_docs, "unpadded", 512, 5, seed=2, num_batches=4):
+        flat = flatten_padded_batch(batch)
+        lengths = batch["attention_mask"].sum(1).tolist()
+        docs = [batch["input_ids"][row, :n] for row, n in enumerate(lengths)]
+        assert torch.equal(flat["input_ids"][0], torch.cat(docs))
+        assert torch.equal(flat["position_ids"][0], torch.cat([torch.arange(n) for n in lengths]))
+        starts = flat["position_ids"][0] == 0
+        assert (flat["labels"][0][starts] == -100).all()
+        assert torch.equal(flat["labels"][0][~starts], flat["input_ids"][0][~starts])
+        cu = flat["cu_seq_lens_q"]
+        assert cu.dtype == torch.int32 and cu.tolist() == np.concatenate([[0], np.cumsum(lengths)]).tolist()
+        assert flat["cu_seq_lens_k"] is cu and flat["max_length_q"] == flat["max_length_k"] == max(lengths)
+        # Targets after the model's shift by one: padded sum(n - 1) over rows, flattened the same.
+        predicted_padded = int((batch["labels"][:, 1:] != -100).sum())
+        assert int((flat["labels"][0, 1:] != -100).sum()) == predicted_padded == sum(n - 1 for n in lengths)
 
 
 def test_packed_batches(short_docs):

@@ -111,3 +111,16 @@ def test_max_seqlen_too_small_is_a_clear_error():
     q, k, v, cu, _ = _packed([3, 9], [3, 9], 1, 1, 16, torch.float32)
     with pytest.raises(ValueError, match="length 9 > max_seqlen 4"):
         flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, 4, 9)
+
+
+def test_checked_cu_seqlens_are_rechecked_after_an_in_place_change():
+    """Values are checked once per tensor (each check is a host sync, and a model passes the same cu_seqlens to
+    every layer); writing into the tensor, or other totals or max_seqlen, must bring the check back."""
+    q, k, v, cu, _ = _packed([3, 2, 7], [3, 2, 7], 2, 1, 16, torch.float32)
+    flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7)
+    flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7)  # cached: still fine
+    with pytest.raises(ValueError, match="length 7 > max_seqlen 6"):
+        flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, 6, 7)
+    cu[2] = 1  # lengths 3, -2, 11
+    with pytest.raises(ValueError, match="non-decreasing"):
+        flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7)

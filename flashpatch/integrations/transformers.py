@@ -16,6 +16,7 @@ Batch layouts, decided per call from what the mask function returned and the kwa
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from flashpatch import interface as _kernels
 from flashpatch.integrations.hf_fallback import masked_attention
 from flashpatch.integrations.hf_masks import fpatch_mask, is_document_mask
-from flashpatch.padding import cu_seqlens_from_starts, max_seqlen_from_cu_seqlens, pad_input, unpad_input
+from flashpatch.padding import cu_seqlens_from_starts, max_seqlen_from_cu_seqlens, pad_input, padding_layout
 
 ATTN_IMPLEMENTATION = "fpatch"
 
@@ -108,18 +109,53 @@ def _varlen_from_kwargs(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, int, 
     return cu_q, cu_k, max_q, max_k
 
 
-def _run_padded(q, k, v, padding: torch.Tensor, flash_kwargs: dict) -> torch.Tensor:
-    """q (B, Sq, H, D), k/v (B, Sk, Hk, D), padding (B, Sm) bool -> (B, Sq, H, D), zeros at padded queries."""
+# What the last mask tensor seen was turned into (unpadding layout, document cu_seqlens), by identity and version
+# counter: every layer of a forward gets the same mask tensor, and deriving either costs host syncs.
+_MASK_CACHE: dict[int, tuple] = {}  # id(mask) -> (weakref to it, its version, {key: derived value})
+
+
+def _once_per_mask(mask: torch.Tensor, key: tuple, compute):
+    """compute(), reused while the same mask tensor (not modified in place) comes back with the same key."""
+    try:
+        version = None if torch.compiler.is_compiling() else mask._version
+    except RuntimeError:  # inference tensors keep no version counter: computed every time
+        version = None
+    if version is None:
+        return compute()
+    entry = _MASK_CACHE.get(id(mask))
+    if entry is None or entry[0]() is not mask or entry[1] != version:
+        _MASK_CACHE.clear()  # one mask at a time: the next forward brings a new one
+        entry = _MASK_CACHE[id(mask)] = (weakref.ref(mask), version, {})
+    derived = entry[2]
+    if key not in derived:
+        derived[key] = compute()
+    return derived[key]
+
+
+def _padding_layouts(mask: torch.Tensor, k_len: int, q_len: int):
+    """mask (B, Sm), nonzero = real -> ((indices, cu_seqlens, max_seqlen) for the keys, the same for the queries)."""
+    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError(
+            "flashpatch: a 2-D attention mask must be a 0/1 padding mask (1 = real token); got other values. "
+            "Pass additive masks as 4-D."
+        )
+    padding = mask.bool()[:, -k_len:]
+    keys = padding_layout(padding)
+    queries = keys if q_len == k_len else padding_layout(padding[:, -q_len:])
+    return keys, queries
+
+
+def _run_padded(q, k, v, mask: torch.Tensor, flash_kwargs: dict) -> torch.Tensor:
+    """q (B, Sq, H, D), k/v (B, Sk, Hk, D), mask (B, Sm) 0/1 -> (B, Sq, H, D), zeros at padded queries.
+
+    With fewer queries than keys (KV cache) the queries are the last q_len positions, as with left padding."""
     batch, q_len = q.shape[:2]
-    if k.shape[1] > padding.shape[1]:  # static cache: slots past the mask were never written
-        k, v = k[:, : padding.shape[1]], v[:, : padding.shape[1]]
-    padding = padding[:, -k.shape[1] :]
-    k, indices_k, cu_k, max_k, _ = unpad_input(k, padding)  # (Tk, Hk, D)
-    v = v.reshape(-1, *v.shape[2:])[indices_k]
-    if q_len == padding.shape[1]:
-        q, indices_q, cu_q, max_q = q.reshape(-1, *q.shape[2:])[indices_k], indices_k, cu_k, max_k
-    else:  # fewer queries than keys (KV cache): queries are the last q_len positions, as with left padding
-        q, indices_q, cu_q, max_q, _ = unpad_input(q, padding[:, -q_len:])
+    if k.shape[1] > mask.shape[1]:  # static cache: slots past the mask were never written
+        k, v = k[:, : mask.shape[1]], v[:, : mask.shape[1]]
+    layouts = _once_per_mask(mask, ("padding", k.shape[1], q_len), lambda: _padding_layouts(mask, k.shape[1], q_len))
+    (indices_k, cu_k, max_k), (indices_q, cu_q, max_q) = layouts
+    q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))  # (B * S, H, D)
+    q, k, v = q[indices_q], k[indices_k], v[indices_k]  # (T, H, D)
     out = _kernels.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **flash_kwargs)  # (Tq, H, D)
     return pad_input(out, indices_q, batch, q_len)
 
@@ -181,16 +217,13 @@ def fpatch_attention_forward(
     packed_kwargs = _varlen_from_kwargs(kwargs)
     if packed_kwargs is not None:
         out = _run_packed(q, k, v, *packed_kwargs, flash_kwargs)
-    elif attention_mask is not None and is_document_mask(attention_mask):
-        cu_seqlens, max_seqlen = _cu_seqlens_from_documents(attention_mask)
+    elif attention_mask is not None and _once_per_mask(attention_mask, ("is documents",),
+                                                       lambda: is_document_mask(attention_mask)):
+        cu_seqlens, max_seqlen = _once_per_mask(attention_mask, ("documents",),
+                                                lambda: _cu_seqlens_from_documents(attention_mask))
         out = _run_packed(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, flash_kwargs)
     elif attention_mask is not None:
-        if attention_mask.dtype != torch.bool and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-            raise ValueError(
-                "flashpatch: a 2-D attention mask must be a 0/1 padding mask (1 = real token); got other values. "
-                "Pass additive masks as 4-D."
-            )
-        out = _run_padded(q, k, v, attention_mask.bool(), flash_kwargs)
+        out = _run_padded(q, k, v, attention_mask, flash_kwargs)
     else:
         out = _kernels.flash_attn_func(q, k, v, **flash_kwargs)  # (B, Sq, H, D)
     if v_head_dim != head_dim:

@@ -46,9 +46,9 @@ def attn_bwd_preprocess_kernel(
 @triton.jit
 def _dkdv_inner(
     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
-    offs_n, offs_d, start_m, end_m, seqlen_q, seqlen_k, window_left, window_right,
+    offs_n, n_start, offs_d, start_m, end_m, seqlen_q, seqlen_k, window_left, window_right,
     qk_scale, cap_log2, softmax_scale, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
-    HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+    HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -73,8 +73,9 @@ def _dkdv_inner(
             p_t = tl.where(ok, p_t, 0.0)
         do = tl.load(do_ptrs + (start + zero64) * stride_dos, mask=tl.trans(q_mask), other=0.0)  # (BM, D)
         if DROPOUT:
-            keep_t = dropout_keep(seed, offset, drop_row_base, offs_m[None, :], offs_n[:, None], max_seqlen_k,
-                                  dropout_p)
+            keep = dropout_keep(seed, offset, drop_row_base, offs_m, n_start, max_seqlen_k, dropout_p,
+                                BLOCK_M, BLOCK_N)  # (BM, BN)
+            keep_t = tl.trans(keep)
             p_drop_t = tl.where(keep_t, p_t * inv_keep, 0.0)
         else:
             p_drop_t = p_t
@@ -153,19 +154,19 @@ def attn_bwd_dkdv_kernel(
         drop_row_base = (off_b * nheads + off_h) * max_seqlen_q
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
-            offs_n, offs_d, lo, full_lo, seqlen_q, seqlen_k, window_left, window_right,
+            offs_n, n0, offs_d, lo, full_lo, seqlen_q, seqlen_k, window_left, window_right,
             qk_scale, cap_log2, softmax_scale, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
-            HEADDIM, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION)
+            HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION)
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
-            offs_n, offs_d, full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right,
+            offs_n, n0, offs_d, full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right,
             qk_scale, cap_log2, softmax_scale, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
-            HEADDIM, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION)
+            HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION)
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
-            offs_n, offs_d, full_hi, hi, seqlen_q, seqlen_k, window_left, window_right,
+            offs_n, n0, offs_d, full_hi, hi, seqlen_q, seqlen_k, window_left, window_right,
             qk_scale, cap_log2, softmax_scale, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
-            HEADDIM, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION)
+            HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION)
 
     dk = dk * softmax_scale
     tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + (k_start + offs_n[:, None]) * stride_dks
@@ -179,7 +180,7 @@ def _dq_inner(
     dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs,
     offs_m, offs_d, start_n, end_n, seqlen_q, seqlen_k, window_left, window_right,
     qk_scale, cap_log2, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
-    HEADDIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -203,8 +204,8 @@ def _dq_inner(
             p = tl.where(ok, p, 0.0)
         dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)  # (BM, BN)
         if DROPOUT:
-            keep = dropout_keep(seed, offset, drop_row_base, offs_m[:, None], offs_n[None, :], max_seqlen_k,
-                                dropout_p)
+            keep = dropout_keep(seed, offset, drop_row_base, offs_m, start, max_seqlen_k, dropout_p,
+                                BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
@@ -229,7 +230,7 @@ def attn_bwd_dq_kernel(
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     off_bh = tl.program_id(0)  # batch * heads on axis 0: its limit is 2^31 - 1, axis 1's is 65535
-    pid_m = tl.program_id(1)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # causal: the heaviest query blocks start first
     off_b = (off_bh // nheads).to(tl.int64)
     off_h = (off_bh % nheads).to(tl.int64)
     off_hk = off_h // group_size
@@ -269,16 +270,16 @@ def attn_bwd_dq_kernel(
         m0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, lo, full_lo,
                    seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
-                   max_seqlen_k, dropout_p, HEADDIM, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT,
-                   DOT_PRECISION)
+                   max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                   DROPOUT, DOT_PRECISION)
     dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, full_lo,
                    full_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset,
-                   drop_row_base, max_seqlen_k, dropout_p, HEADDIM, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                   DROPOUT, DOT_PRECISION)
+                   drop_row_base, max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
+                   SOFTCAP, DROPOUT, DOT_PRECISION)
     dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, full_hi, hi,
                    seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
-                   max_seqlen_k, dropout_p, HEADDIM, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT,
-                   DOT_PRECISION)
+                   max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                   DROPOUT, DOT_PRECISION)
     dq = dq * softmax_scale
     tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + rows * stride_dqs + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=mask)

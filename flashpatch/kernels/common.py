@@ -102,11 +102,25 @@ def tanh(x):
 
 
 @triton.jit
-def dropout_keep(seed, offset, row_base, offs_m, offs_n, max_seqlen_k, dropout_p):
-    """Bool tile: keep the weight of (query offs_m, key offs_n).
+def dropout_keep(seed, offset, row_base, offs_m, start_n, max_seqlen_k, dropout_p,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) bool tile: keep the weight of (query offs_m, key start_n + j)?
 
-    The Philox counter is the element's global position in a (batch, nheads, max_seqlen_q, max_seqlen_k) grid,
-    row_base = (b * nheads + h) * max_seqlen_q, so the bits depend on no block size, grid or layout (packed and
-    padded batches agree). 64-bit counters: B*H*Sq*Sk may pass 2^32."""
-    counter = offset + (row_base + offs_m.to(tl.int64)) * max_seqlen_k + offs_n.to(tl.int64)
-    return tl.rand(seed, counter) >= dropout_p
+    The generator is the standard Philox4x32-10 (Random123), keyed by the 64-bit seed. Its 64-bit counter
+    (words c0, c1) numbers groups of four keys in a (batch, nheads, max_seqlen_q, ceil(max_seqlen_k / 4)) grid,
+    row_base = (b * nheads + h) * max_seqlen_q, and the four 32-bit outputs serve keys 4g .. 4g + 3. So one Philox
+    call yields four decisions, in 32-bit integer arithmetic, and the bits depend on no block size, grid or layout
+    (packed and padded batches agree). start_n must be a multiple of 4 (key-block starts are multiples of BLOCK_N).
+    Each decision compares 24 random bits with dropout_p."""
+    groups_per_row = (max_seqlen_k + 3) // 4
+    rows = row_base + offs_m.to(tl.int64)  # (BM,)
+    groups = start_n // 4 + tl.arange(0, BLOCK_N // 4)  # (BN / 4,)
+    counter = offset + rows[:, None] * groups_per_row + groups[None, :]  # (BM, BN / 4) int64
+    c0 = (counter & 0xFFFFFFFF).to(tl.uint32)
+    c1 = (counter >> 32).to(tl.uint32)
+    zero = tl.zeros_like(c0)
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero, zero)
+    # Interleave so that key 4g + i takes output i: join(join(r0, r2), join(r1, r3))[..., g, a, b] = r[2a + b].
+    bits = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_M, BLOCK_N))
+    uniform = (bits >> 8).to(tl.float32) * (1.0 / 16777216.0)  # exact multiples of 2^-24 in [0, 1)
+    return uniform >= dropout_p

@@ -19,11 +19,12 @@ def dropout_mask_kernel(
     pid_n = tl.program_id(1)
     off_bh = tl.program_id(2).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     seed = tl.load(SEED_OFFSET)
     offset = tl.load(SEED_OFFSET + 1)
     row_base = off_bh * max_seqlen_q  # == (b * nheads + h) * max_seqlen_q
-    keep = dropout_keep(seed, offset, row_base, offs_m[:, None], offs_n[None, :], max_seqlen_k, dropout_p)
+    keep = dropout_keep(seed, offset, row_base, offs_m, n0, max_seqlen_k, dropout_p, BLOCK_M, BLOCK_N)
     ptrs = OUT + (row_base + offs_m[:, None]) * max_seqlen_k + offs_n[None, :]
     mask = (offs_m[:, None] < max_seqlen_q) & (offs_n[None, :] < max_seqlen_k)
     tl.store(ptrs, tl.where(keep, 1.0, -1.0), mask=mask)

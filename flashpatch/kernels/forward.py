@@ -17,7 +17,7 @@ def _fwd_inner(
     acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
     offs_m, offs_d, start_n, end_n, seqlen_q, seqlen_k, window_left, window_right,
     qk_scale, cap_log2, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
-    HEADDIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -41,8 +41,8 @@ def _fwd_inner(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)  # normalizer of the undropped softmax
         if DROPOUT:
-            keep = dropout_keep(seed, offset, drop_row_base, offs_m[:, None], offs_n[None, :], max_seqlen_k,
-                                dropout_p)
+            keep = dropout_keep(seed, offset, drop_row_base, offs_m, start, max_seqlen_k, dropout_p,
+                                BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         v = tl.load(v_ptrs + (start + zero64) * stride_vs, mask=tl.trans(kv_mask), other=0.0)  # (BN, D)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -65,7 +65,7 @@ def attn_fwd_kernel(
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     off_bh = tl.program_id(0)  # batch * heads on axis 0: its limit is 2^31 - 1, axis 1's is 65535
-    pid_m = tl.program_id(1)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # causal: the heaviest query blocks start first
     off_b = (off_bh // nheads).to(tl.int64)
     off_h = (off_bh % nheads).to(tl.int64)
     off_hk = off_h // group_size  # GQA: this head reads K/V head off_hk in place
@@ -104,15 +104,18 @@ def attn_fwd_kernel(
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, lo, full_lo,
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
-        max_seqlen_k, dropout_p, HEADDIM, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, DOT_PRECISION)
+        max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT,
+        DOT_PRECISION)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, full_lo, full_hi,
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
-        max_seqlen_k, dropout_p, HEADDIM, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, DOT_PRECISION)
+        max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT,
+        DOT_PRECISION)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, full_hi, hi,
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
-        max_seqlen_k, dropout_p, HEADDIM, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, DOT_PRECISION)
+        max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT,
+        DOT_PRECISION)
 
     empty = l_i == 0.0  # the row sees no key: output 0, LSE +inf (so backward recomputes P = 0)
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
