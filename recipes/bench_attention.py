@@ -69,10 +69,11 @@ def varlen_lengths(total: int = 65536, low: int = 64, high: int = 4096, seed: in
     return lengths
 
 
-def build_cases(quick: bool) -> list[Case]:
+def build_cases(quick: bool, seqlens: tuple[int, ...] | None = None) -> list[Case]:
+    """seqlens: the dense cases' lengths (default: 4096 with quick, else 1k to 16k)."""
     tokens = 16384  # B·N, as in issue 7's peer table
     cases = []
-    seqlens = (4096,) if quick else (1024, 2048, 4096, 8192, 16384)
+    seqlens = seqlens or ((4096,) if quick else (1024, 2048, 4096, 8192, 16384))
     for head_dim in (128, 64):
         heads = 2048 // head_dim
         for causal in (True, False):
@@ -323,6 +324,7 @@ def write_plot(rows: list[dict], cases: list[Case], path: Path, title: str):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few shapes (fits a short GPU session)")
+    parser.add_argument("--seqlens", default="", help="dense cases' lengths, comma-separated (e.g. 4096,8192,16384)")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--out", default="runs/bench_attention", help="output folder (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
@@ -338,7 +340,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown peers {sorted(unknown)}")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    cases = build_cases(args.quick)
+    try:
+        seqlens = tuple(int(n) for n in args.seqlens.split(",") if n.strip())
+    except ValueError:
+        parser.error(f"--seqlens takes comma-separated integers, got {args.seqlens!r}")
+    if any(n < 1 or 16384 % n for n in seqlens):
+        parser.error(f"--seqlens must divide 16384 (B·N is fixed at 16k tokens), got {args.seqlens!r}")
+    cases = build_cases(args.quick, seqlens or None)
     gpu = torch.cuda.get_device_name()
 
     rows, checks = [], {}

@@ -38,9 +38,13 @@ for step in $steps; do
     tune)
       python3 scripts/tune_kernels.py --out "$WORK" 2>&1 | tee "$WORK/tune.log"
       summary+=("tune: tune.log") ;;
-    bench|bench_full)
-      quick=$([ "$step" = bench ] && echo --quick)
-      python3 recipes/bench_attention.py $quick --out "$WORK" 2>"$WORK/bench_progress.log" | tee "$WORK/bench.md"
+    bench|bench_full|bench_issue)  # quick: N = 4k; full: 1k..16k; issue: issue 7's table (4k, 8k, 16k; its peers)
+      case $step in
+        bench) args="--quick" ;;
+        bench_full) args="" ;;
+        bench_issue) args="--seqlens 4096,8192,16384 --peers fpatch,sdpa_flash,sdpa_cudnn,flex" ;;
+      esac
+      python3 recipes/bench_attention.py $args --out "$WORK" 2>"$WORK/bench_progress.log" | tee "$WORK/bench.md"
       cp "$WORK/bench.md" "$OUT/bench.md"
       summary+=("$step: bench.md") ;;
     parity)  # issue 5: ~100M model, bf16, 200 steps, eager against flashpatch, loss curves in one PNG
