@@ -20,19 +20,19 @@ import flashpatch  # noqa: E402
 from flashpatch.kernels import config as kc  # noqa: E402
 from flashpatch.kernels.config import LaunchConfig as L  # noqa: E402
 
-# Round 2 (round 1's grid and results: docs/results/h200/tune_round1.json). Each backward candidate is timed with
-# the other backward kernel at its current config (one factor at a time around config.py's choice).
+# Round 3: every dK/dV x dQ pair among round 2's winners (round 1: docs/results/h200/tune_round1.json, a small
+# grid; round 2: tune_round2.json, one factor at a time around the then-current configs).
 FWD = {
-    64: [L(128, 64, 4, 3), L(128, 64, 4, 4), L(128, 128, 8, 3)],
-    128: [L(128, 64, 8, 3), L(128, 128, 8, 3), L(128, 64, 8, 4)],
+    64: [L(128, 64, 4, 3), L(128, 64, 4, 4), L(128, 64, 4, 5)],
+    128: [L(128, 64, 8, 3), L(128, 128, 8, 3)],
 }
 DKDV = {
-    64: [L(32, 128, 4, 3), L(64, 128, 4, 3), L(64, 128, 8, 3), L(32, 128, 4, 4)],
-    128: [L(64, 128, 8, 2), L(64, 128, 8, 3), L(32, 128, 8, 3), L(128, 128, 8, 2), L(64, 128, 4, 2)],
+    64: [L(32, 128, 4, 3), L(32, 128, 4, 2)],
+    128: [L(64, 128, 8, 2), L(32, 128, 8, 3), L(32, 128, 8, 2)],
 }
 DQ = {
-    64: [L(128, 32, 4, 3), L(128, 64, 4, 3), L(128, 32, 4, 4), L(64, 64, 4, 4)],
-    128: [L(128, 64, 8, 2), L(128, 64, 8, 3), L(128, 128, 8, 2), L(64, 128, 4, 3)],
+    64: [L(128, 64, 4, 3), L(128, 64, 4, 4), L(128, 64, 8, 3)],
+    128: [L(128, 64, 8, 3), L(128, 64, 8, 4), L(128, 128, 8, 3)],
 }
 
 
@@ -78,8 +78,8 @@ def main():
                 out = flashpatch.flash_attn_func(q, k, v, causal=causal)
                 dout = torch.randn_like(out)
                 current = kc.configs_for(headdim, True, masked=causal)
-                combos = [dict(bwd_dkdv=d) for d in DKDV[headdim]] + [dict(bwd_dq=c) for c in DQ[headdim][1:]]
-                combos.append(dict(atomic_dq=True))
+                combos = [dict(bwd_dkdv=d, bwd_dq=c) for d in DKDV[headdim] for c in DQ[headdim]]
+                combos.append({})  # the current configs
                 for fields in combos:
                     with kc.override(**fields):
                         ms = bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
