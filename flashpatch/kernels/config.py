@@ -32,8 +32,9 @@ _OVERRIDE: dict = {}
 
 
 def configs_for(headdim: int, is_cuda: bool, masked: bool = False) -> KernelConfigs:
-    """Launch settings measured by scripts/tune_kernels.py on an H200 (bf16, B*N = 16k, H*D = 2048; NOTES.md).
-    `masked`: causal or windowed, where the forward prefers narrower key tiles (less work wasted on the diagonal).
+    """Launch settings measured by scripts/tune_kernels.py on an H200 (bf16, B*N = 16k, H*D = 2048; NOTES.md and
+    docs/results/h200/tune_round*.json). `masked`: causal or windowed, where the forward prefers narrower key tiles
+    (less work wasted on the diagonal) and the d64 dK/dV kernel a deeper pipeline.
 
     The separate dQ pass beat atomic dQ in every measured case (e.g. d128 n8192 causal: 253 vs 232 TFLOP/s
     backward), so it is the default, which also makes the backward deterministic by construction."""
@@ -42,17 +43,19 @@ def configs_for(headdim: int, is_cuda: bool, masked: bool = False) -> KernelConf
         # Triton interpreter: each block op is a numpy call, so mid-size tiles keep the Python overhead low.
         cfg = KernelConfigs(LaunchConfig(32, 32), LaunchConfig(32, 32), LaunchConfig(32, 32), atomic_dq=False)
     elif block_d <= 64:
+        # Round 3, n8192 backward: causal 270 TFLOP/s (was 262), full 298 (was 257).
         cfg = KernelConfigs(
             fwd=LaunchConfig(128, 64, num_warps=4, num_stages=3),
-            bwd_dkdv=LaunchConfig(32, 128, num_warps=4, num_stages=3),
-            bwd_dq=LaunchConfig(128, 32, num_warps=4, num_stages=3),
+            bwd_dkdv=LaunchConfig(32, 128, num_warps=4, num_stages=3 if masked else 2),
+            bwd_dq=LaunchConfig(128, 64, num_warps=4, num_stages=3),
             atomic_dq=False,
         )
     elif block_d <= 128:
+        # Round 3, n8192 backward: causal 288 TFLOP/s (was 257), full 330 (was 259).
         cfg = KernelConfigs(
             fwd=LaunchConfig(128, 64 if masked else 128, num_warps=8, num_stages=3),
-            bwd_dkdv=LaunchConfig(64, 128, num_warps=8, num_stages=2),
-            bwd_dq=LaunchConfig(128, 64, num_warps=8, num_stages=2),
+            bwd_dkdv=LaunchConfig(32, 128, num_warps=8, num_stages=3),
+            bwd_dq=LaunchConfig(128, 64, num_warps=8, num_stages=3),
             atomic_dq=False,
         )
     else:  # head dim 256: register pressure; small tiles (not yet tuned)
