@@ -13,6 +13,7 @@ import statistics
 import sys
 
 LAST = 50
+WINDOW = 25  # steps per window when showing how the gap wanders over a run
 
 
 def last_mean(result: dict) -> float:
@@ -28,13 +29,18 @@ def main(paths: list[str]) -> None:
             print(f"{path}: eager or fpatch missing, skipped", file=sys.stderr)
             continue
         eager, fpatch = last_mean(by_impl["eager"]), last_mean(by_impl["fpatch"])
-        rows.append((run["config"]["seed"], eager, fpatch, fpatch / eager - 1))
+        e_losses, f_losses = by_impl["eager"]["losses"], by_impl["fpatch"]["losses"]
+        windows = [statistics.fmean(f_losses[a:a + WINDOW]) / statistics.fmean(e_losses[a:a + WINDOW]) - 1
+                   for a in range(0, len(e_losses) - WINDOW + 1, WINDOW)]
+        rows.append((run["config"]["seed"], eager, fpatch, fpatch / eager - 1, windows))
     if not rows:
         raise SystemExit("no complete runs")
-    print(f"| seed | eager, mean of last {LAST} | fpatch, mean of last {LAST} | fpatch / eager - 1 |")
-    print("|---|---|---|---|")
-    for seed, eager, fpatch, rel in rows:
-        print(f"| {seed} | {eager:.4f} | {fpatch:.4f} | {100 * rel:+.2f}% |")
+    print(f"| seed | eager, mean of last {LAST} | fpatch, mean of last {LAST} | fpatch / eager - 1 | "
+          f"the same per {WINDOW}-step window |")
+    print("|---|---|---|---|---|")
+    for seed, eager, fpatch, rel, windows in rows:
+        trail = " ".join(f"{100 * w:+.1f}" for w in windows)
+        print(f"| {seed} | {eager:.4f} | {fpatch:.4f} | {100 * rel:+.2f}% | {trail} |")
     eager_all = statistics.fmean(r[1] for r in rows)
     fpatch_all = statistics.fmean(r[2] for r in rows)
     rels = [r[3] for r in rows]
