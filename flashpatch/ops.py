@@ -101,7 +101,7 @@ def attn_fwd(
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    cfg = kernel_config.configs_for(headdim, q.is_cuda, window_left >= 0 or window_right >= 0).fwd
+    cfg = kernel_config.configs_for(headdim, q.is_cuda, window_left >= 0 or window_right >= 0, dropout_p > 0).fwd
     qk_scale, cap_log2 = _scales(softmax_scale, softcap)
     grid = (batch * nheads, triton.cdiv(max_seqlen_q, cfg.block_m))
     attn_fwd_kernel[grid](
@@ -160,7 +160,7 @@ def attn_bwd(
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    cfgs = kernel_config.configs_for(headdim, q.is_cuda, window_left >= 0 or window_right >= 0)
+    cfgs = kernel_config.configs_for(headdim, q.is_cuda, window_left >= 0 or window_right >= 0, dropout_p > 0)
     qk_scale, cap_log2 = _scales(softmax_scale, softcap)
     flags = _common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype)
     block_d = triton.next_power_of_2(headdim)

@@ -1,6 +1,9 @@
 """Compile every kernel variant for a CUDA target on a machine with no GPU (Triton ships ptxas).
 
-Catches type and lowering errors that the CPU interpreter accepts, without spending device time:
+Catches type and lowering errors that the CPU interpreter accepts, and launch configurations that would ask for more
+shared memory than an H100/H200 block has, without spending device time. The shared-memory figure is the local
+Triton's: Triton 3.9 pipelines with far less shared memory than 3.6 (the d128 unmasked dropout forward with
+128-wide key tiles: 64 KB here, 240 KB under 3.6 on the GPU), so the GPU tests still have the last word.
     python scripts/compile_check.py [--arch 90]
 """
 
@@ -16,6 +19,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from flashpatch.kernels.backward import (  # noqa: E402
     attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel)
+from flashpatch.kernels import config as kernel_config  # noqa: E402
 from flashpatch.kernels.forward import attn_fwd_kernel  # noqa: E402
 
 
@@ -40,10 +44,18 @@ def signature(fn, dtype, constexprs):
     return sig
 
 
+SHARED_MEMORY_LIMIT = 232448  # bytes per block on H100 / H200 (227 KB)
+
+
 def compile_one(fn, dtype, constexprs, arch, num_warps=4, num_stages=2):
     src = ASTSource(fn=fn, signature=signature(fn, dtype, constexprs), constexprs=constexprs)
     target = GPUTarget("cuda", arch, 32)
-    return triton.compile(src, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
+    kernel = triton.compile(src, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
+    if kernel.metadata.shared > SHARED_MEMORY_LIMIT:
+        flags = {k: v for k, v in constexprs.items() if v not in (False, None)}
+        raise SystemExit(f"{fn.__name__} {dtype} {flags} (warps {num_warps}, stages {num_stages}) needs "
+                         f"{kernel.metadata.shared} bytes of shared memory, over the {SHARED_MEMORY_LIMIT} limit")
+    return kernel
 
 
 def main():
@@ -51,24 +63,30 @@ def main():
     parser.add_argument("--arch", type=int, default=90)
     args = parser.parse_args()
     n = 0
-    for dtype, varlen, left, right, softcap, dropout in itertools.product(
-        ["fp16", "bf16"], [False, True], [False, True], [False, True], [False, True], [False, True]
+    # The launch configurations flashpatch really uses (kernels/config.py), for each feature combination.
+    for (dtype, headdim), varlen, left, right, softcap, dropout in itertools.product(
+        [("fp16", 128), ("bf16", 128), ("bf16", 64)], [False, True], [False, True], [False, True], [False, True],
+        [False, True]
     ):
+        cfgs = kernel_config.configs_for(headdim, True, masked=left or right, dropout=dropout)
         flags = dict(IS_VARLEN=varlen, HAS_LEFT=left, HAS_RIGHT=right, SOFTCAP=softcap, DROPOUT=dropout,
-                     DOT_PRECISION="tf32", HEADDIM=128, BLOCK_D=128)
-        compile_one(attn_fwd_kernel, dtype, {**flags, "BLOCK_M": 128, "BLOCK_N": 64}, args.arch, 8, 3)
-        compile_one(attn_bwd_dq_kernel, dtype, {**flags, "BLOCK_M": 128, "BLOCK_N": 32}, args.arch, 8, 2)
-        for atomic in (False, True):
-            compile_one(attn_bwd_dkdv_kernel, dtype, {**flags, "BLOCK_M": 32, "BLOCK_N": 128, "ATOMIC_DQ": atomic},
-                        args.arch, 8, 2)
+                     DOT_PRECISION="tf32", HEADDIM=headdim, BLOCK_D=headdim)
+        for fn, cfg, extra in (
+            (attn_fwd_kernel, cfgs.fwd, {}),
+            (attn_bwd_dq_kernel, cfgs.bwd_dq, {}),
+            (attn_bwd_dkdv_kernel, cfgs.bwd_dkdv, {"ATOMIC_DQ": False}),
+            (attn_bwd_dkdv_kernel, cfgs.bwd_dkdv, {"ATOMIC_DQ": True}),
+        ):
+            compile_one(fn, dtype, {**flags, **extra, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}, args.arch,
+                        cfg.num_warps, cfg.num_stages)
             n += 1
-        n += 2
     compile_one(attn_bwd_preprocess_kernel, "bf16",
                 {"HEADDIM": 80, "BLOCK_D": 128, "BLOCK_M": 128, "IS_VARLEN": True}, args.arch)
     fp32 = dict(IS_VARLEN=False, HAS_LEFT=True, HAS_RIGHT=True, SOFTCAP=True, DROPOUT=True, DOT_PRECISION="ieee",
                 HEADDIM=40, BLOCK_D=64)
     compile_one(attn_fwd_kernel, "fp32", {**fp32, "BLOCK_M": 64, "BLOCK_N": 32}, args.arch)
-    print(f"compiled {n + 2} kernel variants for sm_{args.arch}")
+    print(f"compiled {n + 2} kernel variants for sm_{args.arch}, each within {SHARED_MEMORY_LIMIT} bytes of "
+          "shared memory")
 
 
 if __name__ == "__main__":

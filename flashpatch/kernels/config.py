@@ -31,10 +31,12 @@ class KernelConfigs:
 _OVERRIDE: dict = {}
 
 
-def configs_for(headdim: int, is_cuda: bool, masked: bool = False) -> KernelConfigs:
+def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool = False) -> KernelConfigs:
     """Launch settings measured by scripts/tune_kernels.py on an H200 (bf16, B*N = 16k, H*D = 2048; NOTES.md and
     docs/results/h200/tune_round*.json). `masked`: causal or windowed, where the forward prefers narrower key tiles
-    (less work wasted on the diagonal) and the d64 dK/dV kernel a deeper pipeline.
+    (less work wasted on the diagonal) and the d64 dK/dV kernel a deeper pipeline. `dropout`: the forward keeps the
+    narrow key tile too, since interleaving the Philox outputs into the score tile takes a shared-memory buffer, and
+    at d128 with 128-wide key tiles and 3 stages that asked for 240 KB, over the H100/H200 limit of 227 KB.
 
     The separate dQ pass beat atomic dQ in every measured case (e.g. d128 n8192 causal: 253 vs 232 TFLOP/s
     backward), so it is the default, which also makes the backward deterministic by construction."""
@@ -53,7 +55,7 @@ def configs_for(headdim: int, is_cuda: bool, masked: bool = False) -> KernelConf
     elif block_d <= 128:
         # Round 3, n8192 backward: causal 288 TFLOP/s (was 257), full 330 (was 259).
         cfg = KernelConfigs(
-            fwd=LaunchConfig(128, 64 if masked else 128, num_warps=8, num_stages=3),
+            fwd=LaunchConfig(128, 64 if masked or dropout else 128, num_warps=8, num_stages=3),
             bwd_dkdv=LaunchConfig(32, 128, num_warps=8, num_stages=3),
             bwd_dq=LaunchConfig(128, 64, num_warps=8, num_stages=3),
             atomic_dq=False,
