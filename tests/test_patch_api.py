@@ -243,3 +243,25 @@ def test_attention_dropout_trains_and_is_seeded():
     with torch.no_grad():
         no_dropout = model(**batch).loss
     assert not torch.equal(first.detach(), no_dropout)
+
+
+def test_padding_mask_written_in_place_is_read_again():
+    """The unpadding layout is derived once per mask tensor (every layer of a forward gets the same one); a mask
+    changed in place between calls must not reuse it, nor must a new mask that lands at a freed one's address."""
+    module = torch.nn.Linear(2, 2)
+    q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))  # (B, H, S, D)
+    mask = torch.ones(2, 8, dtype=torch.long)
+
+    def check(mask_now):
+        out, _ = fp_hf.fpatch_attention_forward(module, q, k, v, mask_now, scaling=0.25, is_causal=True)
+        for row in range(2):
+            n = int(mask_now[row].sum())  # right padding: the first n tokens are real
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q[row : row + 1, :, :n], k[row : row + 1, :, :n], v[row : row + 1, :, :n], is_causal=True, scale=0.25)
+            torch.testing.assert_close(out[row, :n], ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+            assert (out[row, n:] == 0).all()
+
+    check(mask)
+    mask[0, 5:] = 0  # in place: same tensor, new version
+    check(mask)
+    check(torch.tensor([[1] * 3 + [0] * 5, [1] * 8]))  # a new tensor
