@@ -15,7 +15,8 @@ Softcap: scores = c * tanh(x * scale / c), so dS picks up the factor (1 - tanh²
 import triton
 import triton.language as tl
 
-from flashpatch.kernels.common import dropout_keep, key_block_range, query_block_range, seq_bounds, tanh, visible
+from flashpatch.kernels.common import (
+    dropout_keep, key_block_range, query_block_program, query_block_range, seq_bounds, tanh, visible)
 
 
 @triton.jit(do_not_specialize=["max_seqlen_q", "stride_lse_b", "stride_lse_h"])
@@ -229,14 +230,8 @@ def attn_bwd_dq_kernel(
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    off_bh = tl.program_id(0)  # batch * heads on axis 0: its limit is 2^31 - 1, axis 1's is 65535
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # causal: the heaviest query blocks start first
-    off_b = (off_bh // nheads).to(tl.int64)
-    off_h = (off_bh % nheads).to(tl.int64)
-    off_hk = off_h // group_size
-    q_start, seqlen_q, k_start, seqlen_k = seq_bounds(
-        CU_SEQLENS_Q, CU_SEQLENS_K, off_b, max_seqlen_q, max_seqlen_k, IS_VARLEN)
-    m0 = pid_m * BLOCK_M
+    off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, m0 = query_block_program(
+        CU_SEQLENS_Q, CU_SEQLENS_K, nheads, group_size, max_seqlen_q, max_seqlen_k, BLOCK_M, IS_VARLEN)
     if m0 >= seqlen_q:
         return
 

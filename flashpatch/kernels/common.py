@@ -27,6 +27,23 @@ def seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, off_b, max_seqlen_q, max_seqlen_k, IS
 
 
 @triton.jit
+def query_block_program(CU_SEQLENS_Q, CU_SEQLENS_K, nheads, group_size, max_seqlen_q, max_seqlen_k,
+                        BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The work of a program in a query-block grid (the forward and dQ kernels): batch * heads on axis 0 (its
+    limit is 2^31 - 1, axis 1's is 65535), query blocks on axis 1 in reverse, so the heaviest causal blocks start
+    first. Returns (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, m0); off_hk is the K/V head that
+    query head off_h reads in place (GQA). A program with m0 >= seqlen_q has nothing to do (varlen: a sequence
+    shorter than the grid)."""
+    off_bh = tl.program_id(0)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    off_b = (off_bh // nheads).to(tl.int64)
+    off_h = (off_bh % nheads).to(tl.int64)
+    q_start, seqlen_q, k_start, seqlen_k = seq_bounds(
+        CU_SEQLENS_Q, CU_SEQLENS_K, off_b, max_seqlen_q, max_seqlen_k, IS_VARLEN)
+    return off_b, off_h, off_h // group_size, q_start, seqlen_q, k_start, seqlen_k, pid_m * BLOCK_M
+
+
+@triton.jit
 def key_block_range(
     m0, seqlen_q, seqlen_k, window_left, window_right,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
