@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass
 
 import torch
+
+from flashpatch.memo import once_per_tensor
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEADDIM = 256
@@ -103,47 +104,24 @@ def check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             raise TypeError(f"{name} must be a non-negative Python int, got {m!r}")
     if torch.compiler.is_compiling():
         return  # values are data-dependent under tracing; the eager path checks them
+    # Checked once per tensor (each check is a host sync; a model hands the same cu_seqlens to every layer).
     for name, cu, total, max_len in (
         ("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
         ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k),
     ):
-        if _already_checked(cu, total, max_len):
-            continue
-        values = cu.tolist()
-        if values[0] != 0:
-            raise ValueError(f"{name} must start at 0, got {values[0]}")
-        lengths = [b - a for a, b in zip(values[:-1], values[1:])]
-        if min(lengths) < 0:
-            raise ValueError(f"{name} must be non-decreasing, got {values}")
-        if values[-1] != total:
-            raise ValueError(f"{name}[-1] = {values[-1]} must equal the number of tokens, {total}")
-        if max(lengths) > max_len:
-            raise ValueError(f"{name} has a sequence of length {max(lengths)} > max_seqlen {max_len}")
-        _remember_checked(cu, total, max_len)
+        once_per_tensor(cu, ("valid cu_seqlens", total, max_len),
+                        lambda: _check_cu_seqlens_values(name, cu, total, max_len))
 
 
-# cu_seqlens tensors whose values passed the checks, by identity and version counter: a model hands the same tensor
-# to every layer, and each check is a host sync. A tensor changed in place gets a new version and is checked again.
-_CHECKED: dict[int, tuple[weakref.ref, int, int, int]] = {}
-
-
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors keep no version counter: never cached
-        return None
-
-
-def _already_checked(cu: torch.Tensor, total: int, max_len: int) -> bool:
-    entry = _CHECKED.get(id(cu))
-    version = _version(cu)
-    return entry is not None and version is not None and entry[0]() is cu and entry[1:] == (version, total, max_len)
-
-
-def _remember_checked(cu: torch.Tensor, total: int, max_len: int) -> None:
-    version = _version(cu)
-    if version is None:
-        return
-    if len(_CHECKED) >= 64:
-        _CHECKED.clear()
-    _CHECKED[id(cu)] = (weakref.ref(cu), version, total, max_len)
+def _check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int, max_len: int) -> bool:
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {values[0]}")
+    lengths = [b - a for a, b in zip(values[:-1], values[1:])]
+    if min(lengths) < 0:
+        raise ValueError(f"{name} must be non-decreasing, got {values}")
+    if values[-1] != total:
+        raise ValueError(f"{name}[-1] = {values[-1]} must equal the number of tokens, {total}")
+    if max(lengths) > max_len:
+        raise ValueError(f"{name} has a sequence of length {max(lengths)} > max_seqlen {max_len}")
+    return True

@@ -16,7 +16,6 @@ Batch layouts, decided per call from what the mask function returned and the kwa
 from __future__ import annotations
 
 import logging
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from flashpatch import interface as _kernels
 from flashpatch.integrations.hf_fallback import masked_attention
 from flashpatch.integrations.hf_masks import fpatch_mask, is_document_mask
+from flashpatch.memo import once_per_tensor
 from flashpatch.padding import cu_seqlens_from_starts, max_seqlen_from_cu_seqlens, pad_input, padding_layout
 
 ATTN_IMPLEMENTATION = "fpatch"
@@ -109,29 +109,6 @@ def _varlen_from_kwargs(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, int, 
     return cu_q, cu_k, max_q, max_k
 
 
-# What the last mask tensor seen was turned into (unpadding layout, document cu_seqlens), by identity and version
-# counter: every layer of a forward gets the same mask tensor, and deriving either costs host syncs.
-_MASK_CACHE: dict[int, tuple] = {}  # id(mask) -> (weakref to it, its version, {key: derived value})
-
-
-def _once_per_mask(mask: torch.Tensor, key: tuple, compute):
-    """compute(), reused while the same mask tensor (not modified in place) comes back with the same key."""
-    try:
-        version = None if torch.compiler.is_compiling() else mask._version
-    except RuntimeError:  # inference tensors keep no version counter: computed every time
-        version = None
-    if version is None:
-        return compute()
-    entry = _MASK_CACHE.get(id(mask))
-    if entry is None or entry[0]() is not mask or entry[1] != version:
-        _MASK_CACHE.clear()  # one mask at a time: the next forward brings a new one
-        entry = _MASK_CACHE[id(mask)] = (weakref.ref(mask), version, {})
-    derived = entry[2]
-    if key not in derived:
-        derived[key] = compute()
-    return derived[key]
-
-
 def _padding_layouts(mask: torch.Tensor, k_len: int, q_len: int):
     """mask (B, Sm), nonzero = real -> ((indices, cu_seqlens, max_seqlen) for the keys, the same for the queries)."""
     if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
@@ -152,7 +129,7 @@ def _run_padded(q, k, v, mask: torch.Tensor, flash_kwargs: dict) -> torch.Tensor
     batch, q_len = q.shape[:2]
     if k.shape[1] > mask.shape[1]:  # static cache: slots past the mask were never written
         k, v = k[:, : mask.shape[1]], v[:, : mask.shape[1]]
-    layouts = _once_per_mask(mask, ("padding", k.shape[1], q_len), lambda: _padding_layouts(mask, k.shape[1], q_len))
+    layouts = once_per_tensor(mask, ("padding", k.shape[1], q_len), lambda: _padding_layouts(mask, k.shape[1], q_len))
     (indices_k, cu_k, max_k), (indices_q, cu_q, max_q) = layouts
     q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))  # (B * S, H, D)
     q, k, v = q[indices_q], k[indices_k], v[indices_k]  # (T, H, D)
@@ -217,10 +194,10 @@ def fpatch_attention_forward(
     packed_kwargs = _varlen_from_kwargs(kwargs)
     if packed_kwargs is not None:
         out = _run_packed(q, k, v, *packed_kwargs, flash_kwargs)
-    elif attention_mask is not None and _once_per_mask(attention_mask, ("is documents",),
-                                                       lambda: is_document_mask(attention_mask)):
-        cu_seqlens, max_seqlen = _once_per_mask(attention_mask, ("documents",),
-                                                lambda: _cu_seqlens_from_documents(attention_mask))
+    elif attention_mask is not None and once_per_tensor(attention_mask, ("is documents",),
+                                                        lambda: is_document_mask(attention_mask)):
+        cu_seqlens, max_seqlen = once_per_tensor(attention_mask, ("documents",),
+                                                 lambda: _cu_seqlens_from_documents(attention_mask))
         out = _run_packed(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, flash_kwargs)
     elif attention_mask is not None:
         out = _run_padded(q, k, v, attention_mask, flash_kwargs)
