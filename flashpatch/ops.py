@@ -71,6 +71,38 @@ def _common_flags(varlen, window_left, window_right, softcap, dropout_p, dtype):
     )
 
 
+def _tma_supported(device: torch.device) -> bool:
+    return (not _INTERPRETED and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+            and hasattr(triton.language, "make_tensor_descriptor"))
+
+
+def tma_usable(headdim: int, *tensors: torch.Tensor) -> bool:
+    """Tensor descriptors need a power-of-two head dim (the tile is the whole row) and 16-byte aligned bases and
+    strides in every tensor they address; otherwise the kernels use pointer arithmetic."""
+    if headdim != triton.next_power_of_2(headdim) or not _tma_supported(tensors[0].device):
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * size) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _descriptor_scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Kernels that build tensor descriptors on the device need scratch memory from triton's allocator. The
+    setting is a context variable (the autograd engine's threads start without it), so it is checked before
+    each launch; an allocator the user has set is left alone."""
+    from triton.runtime import _allocation
+
+    current = getattr(_allocation, "_allocator", None)
+    if current is None or isinstance(current.get(), _allocation.NullAllocator):
+        triton.set_allocator(_descriptor_scratch)
+
+
 def batch_size(q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]) -> int:
     return cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else q.shape[0]
 
@@ -101,7 +133,11 @@ def attn_fwd(
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    cfg = kernel_config.configs_for(headdim, q.is_cuda, window_left >= 0 or window_right >= 0, dropout_p > 0).fwd
+    cfgs = kernel_config.configs_for(headdim, q.is_cuda, window_left >= 0 or window_right >= 0, dropout_p > 0)
+    cfg = cfgs.fwd
+    tma = cfgs.tma and tma_usable(headdim, q, k, v, out)
+    if tma:
+        _ensure_allocator()
     qk_scale, cap_log2 = _scales(softmax_scale, softcap)
     grid = (batch * nheads, triton.cdiv(max_seqlen_q, cfg.block_m))
     attn_fwd_kernel[grid](
@@ -112,6 +148,7 @@ def attn_fwd(
         qk_scale, cap_log2, dropout_p, window_left, window_right,
         HEADDIM=headdim, BLOCK_D=triton.next_power_of_2(headdim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **_common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype),
+        TMA=tma, WARP_SPECIALIZE=tma and cfgs.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
@@ -177,6 +214,9 @@ def attn_bwd(
     atomic_dq = cfgs.atomic_dq and not deterministic
     # fp32 accumulator for atomic dQ; otherwise dQ gets its own pass and the pointer is unused.
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else dq
+    tma = cfgs.tma and tma_usable(headdim, q, k, v, dout, dq_accum, dk, dv)
+    if tma:
+        _ensure_allocator()
     c = cfgs.bwd_dkdv
     attn_bwd_dkdv_kernel[(batch * nheads_k, triton.cdiv(max_seqlen_k, c.block_n))](
         q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k,
@@ -185,7 +225,7 @@ def attn_bwd(
         *_seq_strides(dv, varlen), *_lse_strides(lse, varlen),
         nheads, nheads_k, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
         qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
-        HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq, **flags,
+        HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq, TMA=tma, **flags,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     if atomic_dq:
@@ -198,7 +238,7 @@ def attn_bwd(
             *_seq_strides(dout, varlen), *_seq_strides(dq, varlen), *_lse_strides(lse, varlen),
             nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
             qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
-            HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, **flags,
+            HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, TMA=tma, **flags,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
     return dq, dk, dv

@@ -20,19 +20,41 @@ import flashpatch  # noqa: E402
 from flashpatch.kernels import config as kc  # noqa: E402
 from flashpatch.kernels.config import LaunchConfig as L  # noqa: E402
 
-# Round 3: every dK/dV x dQ pair among round 2's winners (round 1: docs/results/h200/tune_round1.json, a small
-# grid; round 2: tune_round2.json, one factor at a time around the then-current configs).
+# Round 4: tensor (TMA) descriptors, warp specialization, and atomic dQ through TMA bulk reduce-add, each
+# against the current pointer-arithmetic configs (rounds 1-3: docs/results/h200/tune_round{1,2,3}.json).
+# Each entry: (name, KernelConfigs fields to override).
 FWD = {
-    64: [L(128, 64, 4, 3), L(128, 64, 4, 4), L(128, 64, 4, 5)],
-    128: [L(128, 64, 8, 3), L(128, 128, 8, 3)],
+    128: [
+        ("pointers", dict(tma=False)),
+        ("tma", dict(tma=True)),
+        ("tma+ws", dict(tma=True, warp_specialize=True)),
+        ("tma bn128", dict(tma=True, fwd=L(128, 128, 8, 3))),
+        ("tma+ws bn128", dict(tma=True, warp_specialize=True, fwd=L(128, 128, 8, 3))),
+        ("tma s2", dict(tma=True, fwd=L(128, 64, 8, 2))),
+    ],
+    64: [
+        ("pointers", dict(tma=False)),
+        ("tma", dict(tma=True)),
+        ("tma+ws", dict(tma=True, warp_specialize=True)),
+        ("tma bn128", dict(tma=True, fwd=L(128, 128, 4, 3))),
+    ],
 }
-DKDV = {
-    64: [L(32, 128, 4, 3), L(32, 128, 4, 2)],
-    128: [L(64, 128, 8, 2), L(32, 128, 8, 3), L(32, 128, 8, 2)],
-}
-DQ = {
-    64: [L(128, 64, 4, 3), L(128, 64, 4, 4), L(128, 64, 8, 3)],
-    128: [L(128, 64, 8, 3), L(128, 64, 8, 4), L(128, 128, 8, 3)],
+BWD = {
+    128: [
+        ("pointers", dict(tma=False, atomic_dq=False)),
+        ("tma", dict(tma=True, atomic_dq=False)),
+        ("tma atomic 32x128 s3", dict(tma=True, atomic_dq=True, bwd_dkdv=L(32, 128, 8, 3))),
+        ("tma atomic 64x128 s2", dict(tma=True, atomic_dq=True, bwd_dkdv=L(64, 128, 8, 2))),
+        ("tma atomic 64x128 s3", dict(tma=True, atomic_dq=True, bwd_dkdv=L(64, 128, 8, 3))),
+        ("pointer atomic 32x128 s3", dict(tma=False, atomic_dq=True, bwd_dkdv=L(32, 128, 8, 3))),
+    ],
+    64: [
+        ("pointers", dict(tma=False, atomic_dq=False)),
+        ("tma", dict(tma=True, atomic_dq=False)),
+        ("tma atomic 32x128 s3", dict(tma=True, atomic_dq=True, bwd_dkdv=L(32, 128, 4, 3))),
+        ("tma atomic 64x128 s2", dict(tma=True, atomic_dq=True, bwd_dkdv=L(64, 128, 4, 2))),
+        ("tma atomic 64x128 s3", dict(tma=True, atomic_dq=True, bwd_dkdv=L(64, 128, 8, 3))),
+    ],
 }
 
 
@@ -41,17 +63,21 @@ def tflops(ms, flops):
 
 
 def bench(fn) -> float:
-    """Median ms, or NaN when the config does not fit the GPU (shared memory, registers)."""
+    """Median ms, or NaN when the config does not compile or fit the GPU (shared memory, registers)."""
     try:
         return triton.testing.do_bench(fn, return_mode="median")
-    except triton.runtime.errors.OutOfResources as err:
-        print(f"  skipped: {err}", flush=True)
+    except Exception as err:  # noqa: BLE001 - a variant that fails to build is a result, not a crash
+        print(f"  skipped: {type(err).__name__}: {str(err)[:300]}", flush=True)
         return float("nan")
 
 
-def record(rows, tag, kind, name, ms, flops):
-    rows.append(dict(case=tag, kind=kind, cfg=name, ms=ms, tflops=tflops(ms, flops)))
-    print(f"{tag:22s} {kind}  {name}  {tflops(ms, flops):6.1f}", flush=True)
+def rel_err(got, want) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def record(rows, tag, kind, name, ms, flops, err=float("nan")):
+    rows.append(dict(case=tag, kind=kind, cfg=name, ms=ms, tflops=tflops(ms, flops), rel_err_vs_pointers=err))
+    print(f"{tag:22s} {kind}  {name:28s} {tflops(ms, flops):6.1f}  (rel. diff to pointers {err:.1e})", flush=True)
 
 
 def main():
@@ -71,22 +97,28 @@ def main():
                                        requires_grad=True) for _ in range(3))
                 flops = 4 * batch * nheads * seqlen * seqlen * headdim / (2 if causal else 1)
                 tag = f"d{headdim} n{seqlen} {'causal' if causal else 'full'}"
-                for cfg in FWD[headdim]:
-                    with kc.override(fwd=cfg):
+                dout = torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16)
+                want = None
+                for name, fields in FWD[headdim]:
+                    with kc.override(**fields):
                         ms = bench(lambda: flashpatch.flash_attn_func(q, k, v, causal=causal))
-                    record(rows, tag, "fwd", str(cfg), ms, flops)
+                        err = float("nan")
+                        if ms == ms:
+                            got = flashpatch.flash_attn_func(q, k, v, causal=causal)
+                            want = got if want is None else want
+                            err = rel_err(got, want)
+                    record(rows, tag, "fwd", name, ms, flops, err)
                 out = flashpatch.flash_attn_func(q, k, v, causal=causal)
-                dout = torch.randn_like(out)
-                current = kc.configs_for(headdim, True, masked=causal)
-                combos = [dict(bwd_dkdv=d, bwd_dq=c) for d in DKDV[headdim] for c in DQ[headdim]]
-                combos.append({})  # the current configs
-                for fields in combos:
+                want = None
+                for name, fields in BWD[headdim]:
                     with kc.override(**fields):
                         ms = bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
-                        used = kc.configs_for(headdim, True, masked=causal)
-                    dq = "atomic" if used.atomic_dq else used.bwd_dq
-                    name = f"dkdv={used.bwd_dkdv} dq={dq}" + (" (current)" if used == current else "")
-                    record(rows, tag, "bwd", name, ms, 2.5 * flops)
+                        err = float("nan")
+                        if ms == ms:
+                            got = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+                            want = got if want is None else want
+                            err = max(rel_err(g, w) for g, w in zip(got, want))
+                    record(rows, tag, "bwd", name, ms, 2.5 * flops, err)
                 (out_dir / "tune.json").write_text(json.dumps(rows, indent=1))  # after every case: a cut run keeps them
     print("\n| case | kind | best config | TFLOP/s |\n|---|---|---|---|")
     for case in dict.fromkeys(r["case"] for r in rows):

@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from flashpatch.kernels.common import (
-    dropout_keep, key_block_range, query_block_program, query_block_range, seq_bounds, tanh, visible)
+    dropout_keep, head_rows_desc, key_block_range, query_block_program, query_block_range, seq_bounds, tanh,
+    visible)
 
 
 @triton.jit(do_not_specialize=["max_seqlen_q", "stride_lse_b", "stride_lse_h"])
@@ -46,12 +47,13 @@ def attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_inner(
-    dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
+    dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptrs, delta_ptrs,
+    stride_qs, stride_dos, stride_dqs,
     offs_n, n_start, offs_d, start_m, end_m, seqlen_q, seqlen_k, window_left, window_right,
     qk_scale, cap_log2, softmax_scale, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     inv_keep = 1.0 / (1.0 - dropout_p)
     zero64 = tl.zeros((), dtype=tl.int64)  # loop offsets times strides in 64 bits
@@ -59,7 +61,10 @@ def _dkdv_inner(
         offs_m = start + tl.arange(0, BLOCK_M)
         row_ok = offs_m < seqlen_q
         q_mask = (offs_m[None, :] < seqlen_q) & (offs_d[:, None] < HEADDIM)
-        q_t = tl.load(q_ptrs + (start + zero64) * stride_qs, mask=q_mask, other=0.0)  # (D, BM)
+        if TMA:
+            q_t = tl.trans(q_desc.load([start, 0]))  # (D, BM)
+        else:
+            q_t = tl.load(q_ptrs + (start + zero64) * stride_qs, mask=q_mask, other=0.0)  # (D, BM)
         lse = tl.load(lse_ptrs + start, mask=row_ok, other=float("inf"))  # natural log
         qk_t = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # (BN, BM): scores transposed
         if SOFTCAP:
@@ -72,7 +77,10 @@ def _dkdv_inner(
             ok = visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left, window_right,
                          HAS_LEFT, HAS_RIGHT)
             p_t = tl.where(ok, p_t, 0.0)
-        do = tl.load(do_ptrs + (start + zero64) * stride_dos, mask=tl.trans(q_mask), other=0.0)  # (BM, D)
+        if TMA:
+            do = do_desc.load([start, 0])  # (BM, D)
+        else:
+            do = tl.load(do_ptrs + (start + zero64) * stride_dos, mask=tl.trans(q_mask), other=0.0)  # (BM, D)
         if DROPOUT:
             keep = dropout_keep(seed, offset, drop_row_base, offs_m, n_start, max_seqlen_k, dropout_p,
                                 BLOCK_M, BLOCK_N)  # (BM, BN)
@@ -92,7 +100,10 @@ def _dkdv_inner(
         dk += tl.dot(ds_t, tl.trans(q_t), input_precision=DOT_PRECISION)  # (BN, D)
         if ATOMIC_DQ:
             dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * softmax_scale  # (BM, D)
-            tl.atomic_add(dq_ptrs + (start + zero64) * stride_dqs, dq, mask=tl.trans(q_mask), sem="relaxed")
+            if TMA:  # one bulk reduce-add of the tile (rows past seqlen_q dropped)
+                dq_desc.atomic_add([start, 0], dq)
+            else:
+                tl.atomic_add(dq_ptrs + (start + zero64) * stride_dqs, dq, mask=tl.trans(q_mask), sem="relaxed")
     return dk, dv
 
 
@@ -112,6 +123,7 @@ def attn_bwd_dkdv_kernel(
     HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     off_bhk = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -127,10 +139,16 @@ def attn_bwd_dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEADDIM)
-    k = tl.load(K + off_b * stride_kb + off_hk * stride_kh + (k_start + offs_n[:, None]) * stride_ks
-                + offs_d[None, :], mask=kv_mask, other=0.0)  # (BN, D)
-    v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + (k_start + offs_n[:, None]) * stride_vs
-                + offs_d[None, :], mask=kv_mask, other=0.0)  # (BN, D)
+    if TMA:
+        k = head_rows_desc(K + off_b * stride_kb + off_hk * stride_kh + k_start * stride_ks, seqlen_k, stride_ks,
+                           BLOCK_N, BLOCK_D).load([n0, 0])  # (BN, D)
+        v = head_rows_desc(V + off_b * stride_vb + off_hk * stride_vh + k_start * stride_vs, seqlen_k, stride_vs,
+                           BLOCK_N, BLOCK_D).load([n0, 0])  # (BN, D)
+    else:
+        k = tl.load(K + off_b * stride_kb + off_hk * stride_kh + (k_start + offs_n[:, None]) * stride_ks
+                    + offs_d[None, :], mask=kv_mask, other=0.0)  # (BN, D)
+        v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + (k_start + offs_n[:, None]) * stride_vs
+                    + offs_d[None, :], mask=kv_mask, other=0.0)  # (BN, D)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
 
@@ -153,45 +171,72 @@ def attn_bwd_dkdv_kernel(
         lse_ptrs = LSE + off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m
         delta_ptrs = DELTA + off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m
         drop_row_base = (off_b * nheads + off_h) * max_seqlen_q
+        q_desc = None
+        do_desc = None
+        dq_desc = None
+        if TMA:
+            q_desc = head_rows_desc(Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qs, seqlen_q,
+                                    stride_qs, BLOCK_M, BLOCK_D)
+            do_desc = head_rows_desc(DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_dos, seqlen_q,
+                                     stride_dos, BLOCK_M, BLOCK_D)
+            if ATOMIC_DQ:
+                dq_desc = head_rows_desc(DQ_ACCUM + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqs,
+                                         seqlen_q, stride_dqs, BLOCK_M, BLOCK_D)
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
+            dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptrs, delta_ptrs,
+            stride_qs, stride_dos, stride_dqs,
             offs_n, n0, offs_d, lo, full_lo, seqlen_q, seqlen_k, window_left, window_right,
             qk_scale, cap_log2, softmax_scale, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
-            HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION)
+            HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION,
+            TMA)
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
+            dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptrs, delta_ptrs,
+            stride_qs, stride_dos, stride_dqs,
             offs_n, n0, offs_d, full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right,
             qk_scale, cap_log2, softmax_scale, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
-            HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION)
+            HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION,
+            TMA)
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs, stride_qs, stride_dos, stride_dqs,
+            dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptrs, delta_ptrs,
+            stride_qs, stride_dos, stride_dqs,
             offs_n, n0, offs_d, full_hi, hi, seqlen_q, seqlen_k, window_left, window_right,
             qk_scale, cap_log2, softmax_scale, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
-            HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION)
+            HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION,
+            TMA)
 
     dk = dk * softmax_scale
-    tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + (k_start + offs_n[:, None]) * stride_dks
-             + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + (k_start + offs_n[:, None]) * stride_dvs
-             + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+    if TMA:
+        head_rows_desc(DK + off_b * stride_dkb + off_hk * stride_dkh + k_start * stride_dks, seqlen_k, stride_dks,
+                       BLOCK_N, BLOCK_D).store([n0, 0], dk.to(DK.dtype.element_ty))
+        head_rows_desc(DV + off_b * stride_dvb + off_hk * stride_dvh + k_start * stride_dvs, seqlen_k, stride_dvs,
+                       BLOCK_N, BLOCK_D).store([n0, 0], dv.to(DV.dtype.element_ty))
+    else:
+        tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + (k_start + offs_n[:, None]) * stride_dks
+                 + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
+        tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + (k_start + offs_n[:, None]) * stride_dvs
+                 + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
 def _dq_inner(
-    dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs,
+    dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs,
     offs_m, offs_d, start_n, end_n, seqlen_q, seqlen_k, window_left, window_right,
     qk_scale, cap_log2, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     inv_keep = 1.0 / (1.0 - dropout_p)
     zero64 = tl.zeros((), dtype=tl.int64)  # loop offsets times strides in 64 bits
     for start in range(start_n, end_n, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n[None, :] < seqlen_k) & (offs_d[:, None] < HEADDIM)
-        k_t = tl.load(k_ptrs + (start + zero64) * stride_ks, mask=kv_mask, other=0.0)  # (D, BN)
-        v_t = tl.load(v_ptrs + (start + zero64) * stride_vs, mask=kv_mask, other=0.0)  # (D, BN)
+        if TMA:
+            k_t = tl.trans(k_desc.load([start, 0]))  # (D, BN)
+            v_t = tl.trans(v_desc.load([start, 0]))  # (D, BN)
+        else:
+            kv_mask = (offs_n[None, :] < seqlen_k) & (offs_d[:, None] < HEADDIM)
+            k_t = tl.load(k_ptrs + (start + zero64) * stride_ks, mask=kv_mask, other=0.0)  # (D, BN)
+            v_t = tl.load(v_ptrs + (start + zero64) * stride_vs, mask=kv_mask, other=0.0)  # (D, BN)
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)  # (BM, BN)
         if SOFTCAP:
             t = tanh(qk * qk_scale)
@@ -228,7 +273,7 @@ def attn_bwd_dq_kernel(
     qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
     HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, m0 = query_block_program(
         CU_SEQLENS_Q, CU_SEQLENS_K, nheads, group_size, max_seqlen_q, max_seqlen_k, BLOCK_M, IS_VARLEN)
@@ -252,6 +297,13 @@ def attn_bwd_dq_kernel(
               + (k_start + offs_n[None, :]) * stride_ks + offs_d[:, None])  # (D, BN)
     v_ptrs = (V + off_b * stride_vb + off_hk * stride_vh
               + (k_start + offs_n[None, :]) * stride_vs + offs_d[:, None])  # (D, BN)
+    k_desc = None
+    v_desc = None
+    if TMA:
+        k_desc = head_rows_desc(K + off_b * stride_kb + off_hk * stride_kh + k_start * stride_ks, seqlen_k,
+                                stride_ks, BLOCK_N, BLOCK_D)
+        v_desc = head_rows_desc(V + off_b * stride_vb + off_hk * stride_vh + k_start * stride_vs, seqlen_k,
+                                stride_vs, BLOCK_N, BLOCK_D)
 
     seed = 0
     offset = 0
@@ -263,18 +315,18 @@ def attn_bwd_dq_kernel(
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     lo, full_lo, full_hi, hi = key_block_range(
         m0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, lo, full_lo,
+    dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, lo, full_lo,
                    seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
                    max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                   DROPOUT, DOT_PRECISION)
-    dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, full_lo,
+                   DROPOUT, DOT_PRECISION, TMA)
+    dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, full_lo,
                    full_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset,
                    drop_row_base, max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
-                   SOFTCAP, DROPOUT, DOT_PRECISION)
-    dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, full_hi, hi,
+                   SOFTCAP, DROPOUT, DOT_PRECISION, TMA)
+    dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, full_hi, hi,
                    seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
                    max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                   DROPOUT, DOT_PRECISION)
+                   DROPOUT, DOT_PRECISION, TMA)
     dq = dq * softmax_scale
     tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + rows * stride_dqs + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=mask)

@@ -44,6 +44,15 @@ def query_block_program(CU_SEQLENS_Q, CU_SEQLENS_K, nheads, group_size, max_seql
 
 
 @triton.jit
+def head_rows_desc(base, nrows, stride_row, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Tensor (TMA) descriptor over one head of one sequence: nrows rows of BLOCK_D contiguous elements,
+    stride_row apart, read and written in (BLOCK_ROWS, BLOCK_D) tiles. Rows past nrows load as zeros and are
+    not stored, so tiles need no masks. The host guarantees 16-byte aligned bases and strides (ops._tma_ok)."""
+    return tl.make_tensor_descriptor(base, shape=[nrows, BLOCK_D], strides=[stride_row, 1],
+                                     block_shape=[BLOCK_ROWS, BLOCK_D])
+
+
+@triton.jit
 def key_block_range(
     m0, seqlen_q, seqlen_k, window_left, window_right,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,

@@ -26,6 +26,8 @@ class KernelConfigs:
     bwd_dkdv: LaunchConfig  # block_n keys per program, block_m queries per inner step
     bwd_dq: LaunchConfig
     atomic_dq: bool  # accumulate dQ inside the dK/dV kernel (not deterministic) instead of a separate dQ pass
+    tma: bool = False  # tensor (TMA) descriptors for tiles, where the GPU and the layout allow (ops.tma_usable)
+    warp_specialize: bool = False  # forward's unmasked key loop split into producer and consumer warps
 
 
 _OVERRIDE: dict = {}

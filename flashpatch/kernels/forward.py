@@ -9,23 +9,26 @@ which the backward uses to recompute P without storing it.
 import triton
 import triton.language as tl
 
-from flashpatch.kernels.common import dropout_keep, key_block_range, query_block_program, tanh, visible
+from flashpatch.kernels.common import dropout_keep, head_rows_desc, key_block_range, query_block_program, tanh, visible
 
 
 @triton.jit
 def _fwd_inner(
-    acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
+    acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs,
     offs_m, offs_d, start_n, end_n, seqlen_q, seqlen_k, window_left, window_right,
     qk_scale, cap_log2, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     zero64 = tl.zeros((), dtype=tl.int64)  # loop offsets times strides in 64 bits
-    for start in range(start_n, end_n, BLOCK_N):
+    for start in tl.range(start_n, end_n, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         offs_n = start + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n[None, :] < seqlen_k) & (offs_d[:, None] < HEADDIM)
-        k_t = tl.load(k_ptrs + (start + zero64) * stride_ks, mask=kv_mask, other=0.0)  # (D, BN)
+        if TMA:  # rows past seqlen_k arrive as zeros
+            k_t = tl.trans(k_desc.load([start, 0]))  # (D, BN)
+        else:
+            kv_mask = (offs_n[None, :] < seqlen_k) & (offs_d[:, None] < HEADDIM)
+            k_t = tl.load(k_ptrs + (start + zero64) * stride_ks, mask=kv_mask, other=0.0)  # (D, BN)
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)  # (BM, BN), fp32
         if SOFTCAP:
             s = cap_log2 * tanh(qk * qk_scale)  # log2 units
@@ -44,7 +47,10 @@ def _fwd_inner(
             keep = dropout_keep(seed, offset, drop_row_base, offs_m, start, max_seqlen_k, dropout_p,
                                 BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
-        v = tl.load(v_ptrs + (start + zero64) * stride_vs, mask=tl.trans(kv_mask), other=0.0)  # (BN, D)
+        if TMA:
+            v = v_desc.load([start, 0])  # (BN, D)
+        else:
+            v = tl.load(v_ptrs + (start + zero64) * stride_vs, mask=tl.trans(kv_mask), other=0.0)  # (BN, D)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -63,6 +69,7 @@ def attn_fwd_kernel(
     HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, m0 = query_block_program(
         CU_SEQLENS_Q, CU_SEQLENS_K, nheads, group_size, max_seqlen_q, max_seqlen_k, BLOCK_M, IS_VARLEN)
@@ -75,7 +82,17 @@ def attn_fwd_kernel(
     q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh
               + (q_start + offs_m[:, None]) * stride_qs + offs_d[None, :])
     row_mask = offs_m[:, None] < seqlen_q
-    q = tl.load(q_ptrs, mask=row_mask & (offs_d[None, :] < HEADDIM), other=0.0)  # (BM, D)
+    k_desc = None
+    v_desc = None
+    if TMA:  # host checked: HEADDIM == BLOCK_D, 16-byte aligned rows and heads
+        k_desc = head_rows_desc(K + off_b * stride_kb + off_hk * stride_kh + k_start * stride_ks, seqlen_k,
+                                stride_ks, BLOCK_N, BLOCK_D)
+        v_desc = head_rows_desc(V + off_b * stride_vb + off_hk * stride_vh + k_start * stride_vs, seqlen_k,
+                                stride_vs, BLOCK_N, BLOCK_D)
+        q = head_rows_desc(Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qs, seqlen_q,
+                           stride_qs, BLOCK_M, BLOCK_D).load([m0, 0])  # (BM, D)
+    else:
+        q = tl.load(q_ptrs, mask=row_mask & (offs_d[None, :] < HEADDIM), other=0.0)  # (BM, D)
     k_ptrs = (K + off_b * stride_kb + off_hk * stride_kh
               + (k_start + offs_n[None, :]) * stride_ks + offs_d[:, None])  # (D, BN): K transposed
     v_ptrs = (V + off_b * stride_vb + off_hk * stride_vh
@@ -96,20 +113,20 @@ def attn_fwd_kernel(
         m0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     # Blocks that straddle a mask edge pay for the mask; the rest run unmasked.
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, lo, full_lo,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, lo, full_lo,
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
         max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT,
-        DOT_PRECISION)
+        DOT_PRECISION, TMA, False)
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, full_lo, full_hi,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, full_lo, full_hi,
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
         max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT,
-        DOT_PRECISION)
+        DOT_PRECISION, TMA, WARP_SPECIALIZE)
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, full_hi, hi,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, full_hi, hi,
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
         max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT,
-        DOT_PRECISION)
+        DOT_PRECISION, TMA, False)
 
     empty = l_i == 0.0  # the row sees no key: output 0, LSE +inf (so backward recomputes P = 0)
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -119,6 +136,10 @@ def attn_fwd_kernel(
 
     o_ptrs = (O + off_b * stride_ob + off_h * stride_oh
               + (q_start + offs_m[:, None]) * stride_os + offs_d[None, :])
-    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_mask & (offs_d[None, :] < HEADDIM))
+    if TMA:  # rows past seqlen_q are not written
+        head_rows_desc(O + off_b * stride_ob + off_h * stride_oh + q_start * stride_os, seqlen_q, stride_os,
+                       BLOCK_M, BLOCK_D).store([m0, 0], acc.to(O.dtype.element_ty))
+    else:
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_mask & (offs_d[None, :] < HEADDIM))
     lse_ptrs = LSE + off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m
     tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
