@@ -103,6 +103,10 @@ def _ensure_allocator() -> None:
         triton.set_allocator(_descriptor_scratch)
 
 
+def _grid(heads: int, num_blocks: int, blocks_fastest: bool) -> tuple[int, ...]:
+    return (heads * num_blocks,) if blocks_fastest else (heads, num_blocks)
+
+
 def batch_size(q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]) -> int:
     return cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else q.shape[0]
 
@@ -139,7 +143,7 @@ def attn_fwd(
     if tma:
         _ensure_allocator()
     qk_scale, cap_log2 = _scales(softmax_scale, softcap)
-    grid = (batch * nheads, triton.cdiv(max_seqlen_q, cfg.block_m))
+    grid = _grid(batch * nheads, triton.cdiv(max_seqlen_q, cfg.block_m), cfgs.blocks_fastest)
     attn_fwd_kernel[grid](
         q, k, v, out, lse, seed_offset, cu_seqlens_q, cu_seqlens_k,
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen), *_seq_strides(out, varlen),
@@ -148,7 +152,7 @@ def attn_fwd(
         qk_scale, cap_log2, dropout_p, window_left, window_right,
         HEADDIM=headdim, BLOCK_D=triton.next_power_of_2(headdim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **_common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype),
-        TMA=tma, WARP_SPECIALIZE=tma and cfgs.warp_specialize,
+        TMA=tma, WARP_SPECIALIZE=tma and cfgs.warp_specialize, BLOCKS_FASTEST=cfgs.blocks_fastest,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
@@ -218,27 +222,29 @@ def attn_bwd(
     if tma:
         _ensure_allocator()
     c = cfgs.bwd_dkdv
-    attn_bwd_dkdv_kernel[(batch * nheads_k, triton.cdiv(max_seqlen_k, c.block_n))](
+    attn_bwd_dkdv_kernel[_grid(batch * nheads_k, triton.cdiv(max_seqlen_k, c.block_n), cfgs.blocks_fastest)](
         q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k,
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
         *_seq_strides(dout, varlen), *_seq_strides(dq_accum, varlen), *_seq_strides(dk, varlen),
         *_seq_strides(dv, varlen), *_lse_strides(lse, varlen),
         nheads, nheads_k, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
         qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
-        HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq, TMA=tma, **flags,
+        HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq, TMA=tma,
+        BLOCKS_FASTEST=cfgs.blocks_fastest, **flags,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     if atomic_dq:
         dq.copy_(dq_accum)
     else:
         c = cfgs.bwd_dq
-        attn_bwd_dq_kernel[(batch * nheads, triton.cdiv(max_seqlen_q, c.block_m))](
+        attn_bwd_dq_kernel[_grid(batch * nheads, triton.cdiv(max_seqlen_q, c.block_m), cfgs.blocks_fastest)](
             q, k, v, dout, lse, delta, dq, seed_offset, cu_seqlens_q, cu_seqlens_k,
             *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
             *_seq_strides(dout, varlen), *_seq_strides(dq, varlen), *_lse_strides(lse, varlen),
             nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
             qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
-            HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, TMA=tma, **flags,
+            HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, TMA=tma,
+            BLOCKS_FASTEST=cfgs.blocks_fastest, **flags,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
     return dq, dk, dv

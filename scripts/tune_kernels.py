@@ -20,40 +20,40 @@ import flashpatch  # noqa: E402
 from flashpatch.kernels import config as kc  # noqa: E402
 from flashpatch.kernels.config import LaunchConfig as L  # noqa: E402
 
-# Round 4: tensor (TMA) descriptors, warp specialization, and atomic dQ through TMA bulk reduce-add, each
-# against the current pointer-arithmetic configs (rounds 1-3: docs/results/h200/tune_round{1,2,3}.json).
-# Each entry: (name, KernelConfigs fields to override).
+# Round 5: grid order (common.head_and_block): a head's blocks on consecutive programs (L2 reuse of the tiles
+# every program of that head streams), alone and with round 4's best TMA variants. Round 4
+# (docs/results/h200/tune_round4.json): TMA descriptors, warp specialization and atomic dQ through TMA reduce-add
+# against pointer arithmetic; rounds 1-3: tile sizes (tune_round{1,2,3}.json). Each entry: (name, KernelConfigs
+# fields to override).
 FWD = {
     128: [
-        ("pointers", dict(tma=False)),
-        ("tma", dict(tma=True)),
-        ("tma+ws", dict(tma=True, warp_specialize=True)),
-        ("tma bn128", dict(tma=True, fwd=L(128, 128, 8, 3))),
-        ("tma+ws bn128", dict(tma=True, warp_specialize=True, fwd=L(128, 128, 8, 3))),
-        ("tma s2", dict(tma=True, fwd=L(128, 64, 8, 2))),
+        ("pointers", dict(tma=False, blocks_fastest=False)),
+        ("blocks fastest", dict(tma=False, blocks_fastest=True)),
+        ("blocks fastest bn128", dict(tma=False, blocks_fastest=True, fwd=L(128, 128, 8, 3))),
+        ("blocks fastest tma bn128", dict(tma=True, blocks_fastest=True, fwd=L(128, 128, 8, 3))),
     ],
     64: [
-        ("pointers", dict(tma=False)),
-        ("tma", dict(tma=True)),
-        ("tma+ws", dict(tma=True, warp_specialize=True)),
-        ("tma bn128", dict(tma=True, fwd=L(128, 128, 4, 3))),
+        ("pointers", dict(tma=False, blocks_fastest=False)),
+        ("blocks fastest", dict(tma=False, blocks_fastest=True)),
+        ("blocks fastest tma", dict(tma=True, blocks_fastest=True)),
+        ("blocks fastest tma bn128", dict(tma=True, blocks_fastest=True, fwd=L(128, 128, 4, 3))),
     ],
 }
 BWD = {
     128: [
-        ("pointers", dict(tma=False, atomic_dq=False)),
-        ("tma", dict(tma=True, atomic_dq=False)),
-        ("tma atomic 32x128 s3", dict(tma=True, atomic_dq=True, bwd_dkdv=L(32, 128, 8, 3))),
-        ("tma atomic 64x128 s2", dict(tma=True, atomic_dq=True, bwd_dkdv=L(64, 128, 8, 2))),
-        ("tma atomic 64x128 s3", dict(tma=True, atomic_dq=True, bwd_dkdv=L(64, 128, 8, 3))),
-        ("pointer atomic 32x128 s3", dict(tma=False, atomic_dq=True, bwd_dkdv=L(32, 128, 8, 3))),
+        ("pointers", dict(tma=False, blocks_fastest=False)),
+        ("blocks fastest", dict(tma=False, blocks_fastest=True)),
+        ("blocks fastest tma", dict(tma=True, blocks_fastest=True)),
+        ("blocks fastest dkdv 64x128 s2", dict(blocks_fastest=True, bwd_dkdv=L(64, 128, 8, 2))),
+        ("blocks fastest dkdv 64x128 s3", dict(blocks_fastest=True, bwd_dkdv=L(64, 128, 8, 3))),
+        ("blocks fastest dkdv 32x128 s4", dict(blocks_fastest=True, bwd_dkdv=L(32, 128, 8, 4))),
     ],
     64: [
-        ("pointers", dict(tma=False, atomic_dq=False)),
-        ("tma", dict(tma=True, atomic_dq=False)),
-        ("tma atomic 32x128 s3", dict(tma=True, atomic_dq=True, bwd_dkdv=L(32, 128, 4, 3))),
-        ("tma atomic 64x128 s2", dict(tma=True, atomic_dq=True, bwd_dkdv=L(64, 128, 4, 2))),
-        ("tma atomic 64x128 s3", dict(tma=True, atomic_dq=True, bwd_dkdv=L(64, 128, 8, 3))),
+        ("pointers", dict(tma=False, blocks_fastest=False)),
+        ("blocks fastest", dict(tma=False, blocks_fastest=True)),
+        ("blocks fastest tma", dict(tma=True, blocks_fastest=True)),
+        ("blocks fastest dkdv 64x128 s3", dict(blocks_fastest=True, bwd_dkdv=L(64, 128, 8, 3))),
+        ("blocks fastest dkdv 64x128 w4 s2", dict(blocks_fastest=True, bwd_dkdv=L(64, 128, 4, 2))),
     ],
 }
 
