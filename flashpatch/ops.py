@@ -153,6 +153,7 @@ def attn_fwd(
         HEADDIM=headdim, BLOCK_D=triton.next_power_of_2(headdim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **_common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype),
         TMA=tma, WARP_SPECIALIZE=tma and cfgs.warp_specialize, BLOCKS_FASTEST=cfgs.blocks_fastest,
+        Q_IN_REGISTERS=q.is_cuda and cfgs.operands_in_registers > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
@@ -230,7 +231,8 @@ def attn_bwd(
         nheads, nheads_k, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
         qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
         HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq, TMA=tma,
-        BLOCKS_FASTEST=cfgs.blocks_fastest, **flags,
+        BLOCKS_FASTEST=cfgs.blocks_fastest, KV_IN_REGISTERS=cfgs.operands_in_registers if q.is_cuda else 0,
+        **flags,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     if atomic_dq:

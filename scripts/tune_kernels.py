@@ -20,40 +20,46 @@ import flashpatch  # noqa: E402
 from flashpatch.kernels import config as kc  # noqa: E402
 from flashpatch.kernels.config import LaunchConfig as L  # noqa: E402
 
-# Round 5: grid order (common.head_and_block): a head's blocks on consecutive programs (L2 reuse of the tiles
-# every program of that head streams), alone and with round 4's best TMA variants. Round 4
-# (docs/results/h200/tune_round4.json): TMA descriptors, warp specialization and atomic dQ through TMA reduce-add
-# against pointer arithmetic; rounds 1-3: tile sizes (tune_round{1,2,3}.json). Each entry: (name, KernelConfigs
-# fields to override).
+# Round 6: loop-invariant matmul operands held in registers (common.in_registers: Q in the forward, K or K and V
+# in dK/dV), with TMA descriptors (they free the registers that pointer tiles take) and 64-query dK/dV tiles.
+# Earlier rounds: docs/results/h200/tune_round{1..5}.json (tiles; TMA, warp specialization, TMA atomic dQ; grid
+# order). Each entry: (name, KernelConfigs fields to override).
 FWD = {
     128: [
-        ("pointers", dict(tma=False, blocks_fastest=False)),
-        ("blocks fastest", dict(tma=False, blocks_fastest=True)),
-        ("blocks fastest bn128", dict(tma=False, blocks_fastest=True, fwd=L(128, 128, 8, 3))),
-        ("blocks fastest tma bn128", dict(tma=True, blocks_fastest=True, fwd=L(128, 128, 8, 3))),
+        ("current", dict()),
+        ("blocks fastest", dict(blocks_fastest=True)),
+        ("blocks fastest q-regs", dict(blocks_fastest=True, operands_in_registers=1)),
+        ("blocks fastest tma q-regs", dict(blocks_fastest=True, tma=True, operands_in_registers=1)),
+        ("blocks fastest tma q-regs bn128", dict(blocks_fastest=True, tma=True, operands_in_registers=1,
+                                                 fwd=L(128, 128, 8, 3))),
+        ("blocks fastest q-regs bn128", dict(blocks_fastest=True, operands_in_registers=1, fwd=L(128, 128, 8, 3))),
     ],
     64: [
-        ("pointers", dict(tma=False, blocks_fastest=False)),
-        ("blocks fastest", dict(tma=False, blocks_fastest=True)),
-        ("blocks fastest tma", dict(tma=True, blocks_fastest=True)),
-        ("blocks fastest tma bn128", dict(tma=True, blocks_fastest=True, fwd=L(128, 128, 4, 3))),
+        ("current", dict()),
+        ("blocks fastest", dict(blocks_fastest=True)),
+        ("blocks fastest q-regs", dict(blocks_fastest=True, operands_in_registers=1)),
+        ("blocks fastest tma q-regs", dict(blocks_fastest=True, tma=True, operands_in_registers=1)),
+        ("blocks fastest tma q-regs bn128", dict(blocks_fastest=True, tma=True, operands_in_registers=1,
+                                                 fwd=L(128, 128, 4, 3))),
     ],
 }
 BWD = {
     128: [
-        ("pointers", dict(tma=False, blocks_fastest=False)),
-        ("blocks fastest", dict(tma=False, blocks_fastest=True)),
-        ("blocks fastest tma", dict(tma=True, blocks_fastest=True)),
-        ("blocks fastest dkdv 64x128 s2", dict(blocks_fastest=True, bwd_dkdv=L(64, 128, 8, 2))),
-        ("blocks fastest dkdv 64x128 s3", dict(blocks_fastest=True, bwd_dkdv=L(64, 128, 8, 3))),
-        ("blocks fastest dkdv 32x128 s4", dict(blocks_fastest=True, bwd_dkdv=L(32, 128, 8, 4))),
+        ("current", dict()),
+        ("k-regs", dict(operands_in_registers=1)),
+        ("kv-regs", dict(operands_in_registers=2)),
+        ("tma k-regs", dict(tma=True, operands_in_registers=1)),
+        ("tma kv-regs", dict(tma=True, operands_in_registers=2)),
+        ("tma 64x128 s2", dict(tma=True, bwd_dkdv=L(64, 128, 8, 2))),
+        ("tma 64x128 s2 k-regs", dict(tma=True, operands_in_registers=1, bwd_dkdv=L(64, 128, 8, 2))),
     ],
     64: [
-        ("pointers", dict(tma=False, blocks_fastest=False)),
-        ("blocks fastest", dict(tma=False, blocks_fastest=True)),
-        ("blocks fastest tma", dict(tma=True, blocks_fastest=True)),
-        ("blocks fastest dkdv 64x128 s3", dict(blocks_fastest=True, bwd_dkdv=L(64, 128, 8, 3))),
-        ("blocks fastest dkdv 64x128 w4 s2", dict(blocks_fastest=True, bwd_dkdv=L(64, 128, 4, 2))),
+        ("current", dict()),
+        ("k-regs", dict(operands_in_registers=1)),
+        ("kv-regs", dict(operands_in_registers=2)),
+        ("tma kv-regs", dict(tma=True, operands_in_registers=2)),
+        ("tma 64x128 kv-regs", dict(tma=True, operands_in_registers=2, bwd_dkdv=L(64, 128, 4, 2))),
+        ("tma 64x128 w8 kv-regs", dict(tma=True, operands_in_registers=2, bwd_dkdv=L(64, 128, 8, 3))),
     ],
 }
 

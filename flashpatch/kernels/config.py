@@ -28,6 +28,7 @@ class KernelConfigs:
     atomic_dq: bool  # accumulate dQ inside the dK/dV kernel (not deterministic) instead of a separate dQ pass
     tma: bool = False  # tensor (TMA) descriptors for tiles, where the GPU and the layout allow (ops.tma_usable)
     warp_specialize: bool = False  # forward's unmasked key loop split into producer and consumer warps
+    operands_in_registers: int = 0  # forward: 1 = Q; dK/dV: 1 = K, 2 = K and V (common.in_registers; GPU only)
     blocks_fastest: bool = False  # 1-D grids, a head's blocks consecutive (common.head_and_block): L2 reuse
 
 

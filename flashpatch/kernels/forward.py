@@ -9,7 +9,8 @@ which the backward uses to recompute P without storing it.
 import triton
 import triton.language as tl
 
-from flashpatch.kernels.common import dropout_keep, head_rows_desc, key_block_range, query_block_program, tanh, visible
+from flashpatch.kernels.common import (
+    dropout_keep, head_rows_desc, in_registers, key_block_range, query_block_program, tanh, visible)
 
 
 @triton.jit
@@ -69,7 +70,7 @@ def attn_fwd_kernel(
     HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, BLOCKS_FASTEST: tl.constexpr,
+    TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, BLOCKS_FASTEST: tl.constexpr, Q_IN_REGISTERS: tl.constexpr,
 ):
     off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, m0 = query_block_program(
         CU_SEQLENS_Q, CU_SEQLENS_K, nheads, group_size, max_seqlen_q, max_seqlen_k, BLOCK_M, IS_VARLEN,
@@ -94,6 +95,8 @@ def attn_fwd_kernel(
                            stride_qs, BLOCK_M, BLOCK_D).load([m0, 0])  # (BM, D)
     else:
         q = tl.load(q_ptrs, mask=row_mask & (offs_d[None, :] < HEADDIM), other=0.0)  # (BM, D)
+    if Q_IN_REGISTERS:
+        q = in_registers(q)
     k_ptrs = (K + off_b * stride_kb + off_hk * stride_kh
               + (k_start + offs_n[None, :]) * stride_ks + offs_d[:, None])  # (D, BN): K transposed
     v_ptrs = (V + off_b * stride_vb + off_hk * stride_vh
