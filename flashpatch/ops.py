@@ -143,7 +143,7 @@ def attn_fwd(
     if tma:
         _ensure_allocator()
     qk_scale, cap_log2 = _scales(softmax_scale, softcap)
-    grid = _grid(batch * nheads, triton.cdiv(max_seqlen_q, cfg.block_m), cfgs.blocks_fastest)
+    grid = _grid(batch * nheads, triton.cdiv(max_seqlen_q, cfg.block_m), cfg.blocks_fastest)
     attn_fwd_kernel[grid](
         q, k, v, out, lse, seed_offset, cu_seqlens_q, cu_seqlens_k,
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen), *_seq_strides(out, varlen),
@@ -152,8 +152,7 @@ def attn_fwd(
         qk_scale, cap_log2, dropout_p, window_left, window_right,
         HEADDIM=headdim, BLOCK_D=triton.next_power_of_2(headdim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **_common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype),
-        TMA=tma, WARP_SPECIALIZE=tma and cfgs.warp_specialize, BLOCKS_FASTEST=cfgs.blocks_fastest,
-        Q_IN_REGISTERS=q.is_cuda and cfgs.operands_in_registers > 0,
+        TMA=tma, BLOCKS_FASTEST=cfg.blocks_fastest,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
@@ -223,7 +222,7 @@ def attn_bwd(
     if tma:
         _ensure_allocator()
     c = cfgs.bwd_dkdv
-    attn_bwd_dkdv_kernel[_grid(batch * nheads_k, triton.cdiv(max_seqlen_k, c.block_n), cfgs.blocks_fastest)](
+    attn_bwd_dkdv_kernel[_grid(batch * nheads_k, triton.cdiv(max_seqlen_k, c.block_n), c.blocks_fastest)](
         q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k,
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
         *_seq_strides(dout, varlen), *_seq_strides(dq_accum, varlen), *_seq_strides(dk, varlen),
@@ -231,22 +230,21 @@ def attn_bwd(
         nheads, nheads_k, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
         qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
         HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq, TMA=tma,
-        BLOCKS_FASTEST=cfgs.blocks_fastest, KV_IN_REGISTERS=cfgs.operands_in_registers if q.is_cuda else 0,
-        **flags,
+        BLOCKS_FASTEST=c.blocks_fastest, **flags,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     if atomic_dq:
         dq.copy_(dq_accum)
     else:
         c = cfgs.bwd_dq
-        attn_bwd_dq_kernel[_grid(batch * nheads, triton.cdiv(max_seqlen_q, c.block_m), cfgs.blocks_fastest)](
+        attn_bwd_dq_kernel[_grid(batch * nheads, triton.cdiv(max_seqlen_q, c.block_m), c.blocks_fastest)](
             q, k, v, dout, lse, delta, dq, seed_offset, cu_seqlens_q, cu_seqlens_k,
             *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
             *_seq_strides(dout, varlen), *_seq_strides(dq, varlen), *_lse_strides(lse, varlen),
             nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
             qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
             HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, TMA=tma,
-            BLOCKS_FASTEST=cfgs.blocks_fastest, **flags,
+            BLOCKS_FASTEST=c.blocks_fastest, **flags,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
     return dq, dk, dv

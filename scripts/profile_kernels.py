@@ -35,10 +35,13 @@ def kernel_times(step, iters=10):
 def compiled_stats():
     for fn in (forward.attn_fwd_kernel, backward.attn_bwd_dkdv_kernel, backward.attn_bwd_dq_kernel):
         for cache in getattr(fn, "device_caches", {}).values():
-            for kernel in cache[0].values():
+            for key, kernel in cache[0].items():
                 meta = kernel.metadata
-                print(f"  {fn.fn.__name__}: warps {meta.num_warps} stages {meta.num_stages} regs {kernel.n_regs} "
-                      f"spills {kernel.n_spills} shared {meta.shared} B")
+                consts = {k: v for k, v in getattr(kernel.src, "constants", {}).items()
+                          if isinstance(v, (int, bool)) and str(k) in
+                          ("BLOCK_M", "BLOCK_N", "TMA", "BLOCKS_FASTEST", "HAS_RIGHT", "HEADDIM", "ATOMIC_DQ")}
+                print(f"  {fn.fn.__name__} {consts or str(key)[-120:]}: warps {meta.num_warps} stages "
+                      f"{meta.num_stages} regs {kernel.n_regs} spills {kernel.n_spills} shared {meta.shared} B")
 
 
 def main():

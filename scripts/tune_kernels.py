@@ -9,6 +9,7 @@ by hand, with the numbers in NOTES.md.
 
 import argparse
 import json
+from dataclasses import replace
 import sys
 from pathlib import Path
 
@@ -20,48 +21,38 @@ import flashpatch  # noqa: E402
 from flashpatch.kernels import config as kc  # noqa: E402
 from flashpatch.kernels.config import LaunchConfig as L  # noqa: E402
 
-# Round 6: loop-invariant matmul operands held in registers (common.in_registers: Q in the forward, K or K and V
-# in dK/dV), with TMA descriptors (they free the registers that pointer tiles take) and 64-query dK/dV tiles.
-# Earlier rounds: docs/results/h200/tune_round{1..5}.json (tiles; TMA, warp specialization, TMA atomic dQ; grid
-# order). Each entry: (name, KernelConfigs fields to override).
+# Round 7: the tuned defaults (grid order per kernel, round 5) against one-warpgroup dK/dV tiles, which leave
+# registers to spare and so may keep two programs per SM. Earlier rounds: docs/results/h200/tune_round{1..6}.json
+# (1-3: tiles; 4: TMA descriptors, warp specialization, TMA atomic dQ; 5: grid order; 6: matmul operands held in
+# registers, since removed). Each entry: (name, KernelConfigs fields to override).
 FWD = {
-    128: [
-        ("current", dict()),
-        ("blocks fastest", dict(blocks_fastest=True)),
-        ("blocks fastest q-regs", dict(blocks_fastest=True, operands_in_registers=1)),
-        ("blocks fastest tma q-regs", dict(blocks_fastest=True, tma=True, operands_in_registers=1)),
-        ("blocks fastest tma q-regs bn128", dict(blocks_fastest=True, tma=True, operands_in_registers=1,
-                                                 fwd=L(128, 128, 8, 3))),
-        ("blocks fastest q-regs bn128", dict(blocks_fastest=True, operands_in_registers=1, fwd=L(128, 128, 8, 3))),
-    ],
-    64: [
-        ("current", dict()),
-        ("blocks fastest", dict(blocks_fastest=True)),
-        ("blocks fastest q-regs", dict(blocks_fastest=True, operands_in_registers=1)),
-        ("blocks fastest tma q-regs", dict(blocks_fastest=True, tma=True, operands_in_registers=1)),
-        ("blocks fastest tma q-regs bn128", dict(blocks_fastest=True, tma=True, operands_in_registers=1,
-                                                 fwd=L(128, 128, 4, 3))),
-    ],
+    128: [("current", dict()), ("tma", dict(tma=True))],
+    64: [("current", dict()), ("tma", dict(tma=True))],
 }
 BWD = {
     128: [
         ("current", dict()),
-        ("k-regs", dict(operands_in_registers=1)),
-        ("kv-regs", dict(operands_in_registers=2)),
-        ("tma k-regs", dict(tma=True, operands_in_registers=1)),
-        ("tma kv-regs", dict(tma=True, operands_in_registers=2)),
-        ("tma 64x128 s2", dict(tma=True, bwd_dkdv=L(64, 128, 8, 2))),
-        ("tma 64x128 s2 k-regs", dict(tma=True, operands_in_registers=1, bwd_dkdv=L(64, 128, 8, 2))),
+        ("tma", dict(tma=True)),
+        ("dkdv 64x64 w4 s2", dict(bwd_dkdv=L(64, 64, 4, 2))),
+        ("tma dkdv 64x64 w4 s2", dict(tma=True, bwd_dkdv=L(64, 64, 4, 2))),
+        ("tma dkdv 64x64 w4 s3", dict(tma=True, bwd_dkdv=L(64, 64, 4, 3))),
+        ("tma dkdv 32x64 w4 s3", dict(tma=True, bwd_dkdv=L(32, 64, 4, 3))),
     ],
     64: [
         ("current", dict()),
-        ("k-regs", dict(operands_in_registers=1)),
-        ("kv-regs", dict(operands_in_registers=2)),
-        ("tma kv-regs", dict(tma=True, operands_in_registers=2)),
-        ("tma 64x128 kv-regs", dict(tma=True, operands_in_registers=2, bwd_dkdv=L(64, 128, 4, 2))),
-        ("tma 64x128 w8 kv-regs", dict(tma=True, operands_in_registers=2, bwd_dkdv=L(64, 128, 8, 3))),
+        ("tma", dict(tma=True)),
+        ("dkdv 64x64 w4 s3", dict(bwd_dkdv=L(64, 64, 4, 3))),
+        ("tma dkdv 64x64 w4 s3", dict(tma=True, bwd_dkdv=L(64, 64, 4, 3))),
+        ("tma dkdv 64x128 w8 s3", dict(tma=True, bwd_dkdv=L(64, 128, 8, 3))),
     ],
 }
+
+
+def keep_grid_order(fields, headdim, causal):
+    """An overriding LaunchConfig keeps the grid order the defaults use for that kernel and mask."""
+    default = kc.configs_for(headdim, True, masked=causal)
+    return {name: replace(value, blocks_fastest=getattr(default, name).blocks_fastest)
+            if isinstance(value, L) else value for name, value in fields.items()}
 
 
 def tflops(ms, flops):
@@ -106,6 +97,7 @@ def main():
                 dout = torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16)
                 want = None
                 for name, fields in FWD[headdim]:
+                    fields = keep_grid_order(fields, headdim, causal)
                     with kc.override(**fields):
                         ms = bench(lambda: flashpatch.flash_attn_func(q, k, v, causal=causal))
                         err = float("nan")
@@ -117,6 +109,7 @@ def main():
                 out = flashpatch.flash_attn_func(q, k, v, causal=causal)
                 want = None
                 for name, fields in BWD[headdim]:
+                    fields = keep_grid_order(fields, headdim, causal)
                     with kc.override(**fields):
                         ms = bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
                         err = float("nan")
@@ -132,6 +125,9 @@ def main():
             timed = [r for r in rows if r["case"] == case and r["kind"] == kind and r["ms"] == r["ms"]]  # not NaN
             best = max(timed, key=lambda r: r["tflops"])
             print(f"| {case} | {kind} | {best['cfg']} | {best['tflops']:.1f} |")
+    print("\nregisters, spills and shared memory of every compiled variant:")
+    from profile_kernels import compiled_stats
+    compiled_stats()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from flashpatch.kernels.common import (
-    dropout_keep, head_and_block, head_rows_desc, in_registers, key_block_range, query_block_program, query_block_range, seq_bounds, tanh,
+    dropout_keep, head_and_block, head_rows_desc, key_block_range, query_block_program, query_block_range, seq_bounds, tanh,
     visible)
 
 
@@ -123,7 +123,7 @@ def attn_bwd_dkdv_kernel(
     HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, BLOCKS_FASTEST: tl.constexpr, KV_IN_REGISTERS: tl.constexpr,
+    TMA: tl.constexpr, BLOCKS_FASTEST: tl.constexpr,
 ):
     off_bhk, pid_n = head_and_block(tl.cdiv(max_seqlen_k, BLOCK_N), BLOCKS_FASTEST)
     off_b = (off_bhk // nheads_k).to(tl.int64)
@@ -148,10 +148,6 @@ def attn_bwd_dkdv_kernel(
                     + offs_d[None, :], mask=kv_mask, other=0.0)  # (BN, D)
         v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + (k_start + offs_n[:, None]) * stride_vs
                     + offs_d[None, :], mask=kv_mask, other=0.0)  # (BN, D)
-    if KV_IN_REGISTERS >= 1:
-        k = in_registers(k)
-    if KV_IN_REGISTERS >= 2:
-        v = in_registers(v)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
 

@@ -57,18 +57,6 @@ def query_block_program(CU_SEQLENS_Q, CU_SEQLENS_K, nheads, group_size, max_seql
 
 
 @triton.jit
-def in_registers(x):
-    """x unchanged, through an opaque register move (GPU only; the interpreter runs no PTX). A tile loaded from
-    memory reaches tl.dot through shared memory, where the matrix unit rereads it for every product; after this
-    move the compiler keeps it in registers instead (wgmma's register A operand), which cuts the shared-memory
-    reads of a loop-invariant operand, at the cost of the registers that hold it."""
-    if x.dtype.primitive_bitwidth == 16:
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=True, pack=2)
-    else:
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=True, pack=1)
-
-
-@triton.jit
 def head_rows_desc(base, nrows, stride_row, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """Tensor (TMA) descriptor over one head of one sequence: nrows rows of BLOCK_D contiguous elements,
     stride_row apart, read and written in (BLOCK_ROWS, BLOCK_D) tiles. Rows past nrows load as zeros and are

@@ -18,6 +18,7 @@ class LaunchConfig:
     block_n: int
     num_warps: int = 4
     num_stages: int = 1
+    blocks_fastest: bool = False  # grid order (common.head_and_block): a head's blocks on consecutive programs
 
 
 @dataclass(frozen=True)
@@ -27,9 +28,6 @@ class KernelConfigs:
     bwd_dq: LaunchConfig
     atomic_dq: bool  # accumulate dQ inside the dK/dV kernel (not deterministic) instead of a separate dQ pass
     tma: bool = False  # tensor (TMA) descriptors for tiles, where the GPU and the layout allow (ops.tma_usable)
-    warp_specialize: bool = False  # forward's unmasked key loop split into producer and consumer warps
-    operands_in_registers: int = 0  # forward: 1 = Q; dK/dV: 1 = K, 2 = K and V (common.in_registers; GPU only)
-    blocks_fastest: bool = False  # 1-D grids, a head's blocks consecutive (common.head_and_block): L2 reuse
 
 
 _OVERRIDE: dict = {}
@@ -43,32 +41,46 @@ def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool
     at d128 with 128-wide key tiles and 3 stages that asked for 240 KB, over the H100/H200 limit of 227 KB.
 
     The separate dQ pass beat atomic dQ in every measured case (e.g. d128 n8192 causal: 253 vs 232 TFLOP/s
-    backward), so it is the default, which also makes the backward deterministic by construction."""
+    backward; round 4: 290 vs 246 with TMA bulk reduce-add), so it is the default, which also makes the backward
+    deterministic by construction. TMA descriptors (`tma`) are off: in rounds 4-6 they were within noise of
+    pointer arithmetic (d128: a few % slower, d64: a few % faster)."""
     block_d = triton.next_power_of_2(headdim)
+    # Grid order (round 5, docs/results/h200/tune_round5.json): the forward always runs a head's query blocks on
+    # consecutive programs (d128 n8192 full 445 -> 498 TFLOP/s, causal 414 -> 439), which lets the programs in
+    # flight share that head's K/V in L2. The backward gains from it without a mask (d64 n8192 full 225 -> 313)
+    # but loses with one (d128 n8192 causal 287 -> 274): there the heads-first order starts every head's
+    # heaviest causal blocks first.
+    bwd_blocks_fastest = not masked
     if not is_cuda:
         # Triton interpreter: each block op is a numpy call, so mid-size tiles keep the Python overhead low.
-        cfg = KernelConfigs(LaunchConfig(32, 32), LaunchConfig(32, 32), LaunchConfig(32, 32), atomic_dq=False)
+        cfg = KernelConfigs(
+            fwd=LaunchConfig(32, 32, blocks_fastest=True),
+            bwd_dkdv=LaunchConfig(32, 32, blocks_fastest=bwd_blocks_fastest),
+            bwd_dq=LaunchConfig(32, 32, blocks_fastest=bwd_blocks_fastest),
+            atomic_dq=False,
+        )
     elif block_d <= 64:
         # Round 3, n8192 backward: causal 270 TFLOP/s (was 262), full 298 (was 257).
         cfg = KernelConfigs(
-            fwd=LaunchConfig(128, 64, num_warps=4, num_stages=3),
-            bwd_dkdv=LaunchConfig(32, 128, num_warps=4, num_stages=3 if masked else 2),
-            bwd_dq=LaunchConfig(128, 64, num_warps=4, num_stages=3),
+            fwd=LaunchConfig(128, 64, num_warps=4, num_stages=3, blocks_fastest=True),
+            bwd_dkdv=LaunchConfig(32, 128, num_warps=4, num_stages=3 if masked else 2,
+                                  blocks_fastest=bwd_blocks_fastest),
+            bwd_dq=LaunchConfig(128, 64, num_warps=4, num_stages=3, blocks_fastest=bwd_blocks_fastest),
             atomic_dq=False,
         )
     elif block_d <= 128:
         # Round 3, n8192 backward: causal 288 TFLOP/s (was 257), full 330 (was 259).
         cfg = KernelConfigs(
-            fwd=LaunchConfig(128, 64 if masked or dropout else 128, num_warps=8, num_stages=3),
-            bwd_dkdv=LaunchConfig(32, 128, num_warps=8, num_stages=3),
-            bwd_dq=LaunchConfig(128, 64, num_warps=8, num_stages=3),
+            fwd=LaunchConfig(128, 64 if masked or dropout else 128, num_warps=8, num_stages=3, blocks_fastest=True),
+            bwd_dkdv=LaunchConfig(32, 128, num_warps=8, num_stages=3, blocks_fastest=bwd_blocks_fastest),
+            bwd_dq=LaunchConfig(128, 64, num_warps=8, num_stages=3, blocks_fastest=bwd_blocks_fastest),
             atomic_dq=False,
         )
     else:  # head dim 256: register pressure; small tiles (not yet tuned)
         cfg = KernelConfigs(
-            fwd=LaunchConfig(64, 32, num_warps=4, num_stages=2),
-            bwd_dkdv=LaunchConfig(16, 64, num_warps=4, num_stages=1),
-            bwd_dq=LaunchConfig(64, 16, num_warps=4, num_stages=1),
+            fwd=LaunchConfig(64, 32, num_warps=4, num_stages=2, blocks_fastest=True),
+            bwd_dkdv=LaunchConfig(16, 64, num_warps=4, num_stages=1, blocks_fastest=bwd_blocks_fastest),
+            bwd_dq=LaunchConfig(64, 16, num_warps=4, num_stages=1, blocks_fastest=bwd_blocks_fastest),
             atomic_dq=False,
         )
     return replace(cfg, **_OVERRIDE) if _OVERRIDE else cfg

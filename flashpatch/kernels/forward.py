@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from flashpatch.kernels.common import (
-    dropout_keep, head_rows_desc, in_registers, key_block_range, query_block_program, tanh, visible)
+    dropout_keep, head_rows_desc, key_block_range, query_block_program, tanh, visible)
 
 
 @triton.jit
@@ -20,10 +20,10 @@ def _fwd_inner(
     qk_scale, cap_log2, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     zero64 = tl.zeros((), dtype=tl.int64)  # loop offsets times strides in 64 bits
-    for start in tl.range(start_n, end_n, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for start in range(start_n, end_n, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         if TMA:  # rows past seqlen_k arrive as zeros
             k_t = tl.trans(k_desc.load([start, 0]))  # (D, BN)
@@ -70,7 +70,7 @@ def attn_fwd_kernel(
     HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, BLOCKS_FASTEST: tl.constexpr, Q_IN_REGISTERS: tl.constexpr,
+    TMA: tl.constexpr, BLOCKS_FASTEST: tl.constexpr,
 ):
     off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, m0 = query_block_program(
         CU_SEQLENS_Q, CU_SEQLENS_K, nheads, group_size, max_seqlen_q, max_seqlen_k, BLOCK_M, IS_VARLEN,
@@ -95,8 +95,6 @@ def attn_fwd_kernel(
                            stride_qs, BLOCK_M, BLOCK_D).load([m0, 0])  # (BM, D)
     else:
         q = tl.load(q_ptrs, mask=row_mask & (offs_d[None, :] < HEADDIM), other=0.0)  # (BM, D)
-    if Q_IN_REGISTERS:
-        q = in_registers(q)
     k_ptrs = (K + off_b * stride_kb + off_hk * stride_kh
               + (k_start + offs_n[None, :]) * stride_ks + offs_d[:, None])  # (D, BN): K transposed
     v_ptrs = (V + off_b * stride_vb + off_hk * stride_vh
@@ -120,17 +118,17 @@ def attn_fwd_kernel(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, lo, full_lo,
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
         max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT,
-        DOT_PRECISION, TMA, False)
+        DOT_PRECISION, TMA)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, full_lo, full_hi,
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
         max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT,
-        DOT_PRECISION, TMA, WARP_SPECIALIZE)
+        DOT_PRECISION, TMA)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, full_hi, hi,
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
         max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT,
-        DOT_PRECISION, TMA, False)
+        DOT_PRECISION, TMA)
 
     empty = l_i == 0.0  # the row sees no key: output 0, LSE +inf (so backward recomputes P = 0)
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
