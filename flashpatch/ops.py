@@ -139,7 +139,7 @@ def attn_fwd(
         return out, lse
     cfgs = kernel_config.configs_for(headdim, q.is_cuda, window_left >= 0 or window_right >= 0, dropout_p > 0)
     cfg = cfgs.fwd
-    tma = cfgs.tma and tma_usable(headdim, q, k, v, out)
+    tma = cfg.tma and tma_usable(headdim, q, k, v, out)
     if tma:
         _ensure_allocator()
     qk_scale, cap_log2 = _scales(softmax_scale, softcap)
@@ -218,8 +218,9 @@ def attn_bwd(
     atomic_dq = cfgs.atomic_dq and not deterministic
     # fp32 accumulator for atomic dQ; otherwise dQ gets its own pass and the pointer is unused.
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else dq
-    tma = cfgs.tma and tma_usable(headdim, q, k, v, dout, dq_accum, dk, dv)
-    if tma:
+    tma_dkdv = cfgs.bwd_dkdv.tma and tma_usable(headdim, q, k, v, dout, dq_accum, dk, dv)
+    tma_dq = cfgs.bwd_dq.tma and not atomic_dq and tma_usable(headdim, k, v)
+    if tma_dkdv or tma_dq:
         _ensure_allocator()
     c = cfgs.bwd_dkdv
     attn_bwd_dkdv_kernel[_grid(batch * nheads_k, triton.cdiv(max_seqlen_k, c.block_n), c.blocks_fastest)](
@@ -229,7 +230,7 @@ def attn_bwd(
         *_seq_strides(dv, varlen), *_lse_strides(lse, varlen),
         nheads, nheads_k, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
         qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
-        HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq, TMA=tma,
+        HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq, TMA=tma_dkdv,
         BLOCKS_FASTEST=c.blocks_fastest, **flags,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
@@ -243,7 +244,7 @@ def attn_bwd(
             *_seq_strides(dout, varlen), *_seq_strides(dq, varlen), *_lse_strides(lse, varlen),
             nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
             qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
-            HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, TMA=tma,
+            HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, TMA=tma_dq,
             BLOCKS_FASTEST=c.blocks_fastest, **flags,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )

@@ -21,38 +21,44 @@ import flashpatch  # noqa: E402
 from flashpatch.kernels import config as kc  # noqa: E402
 from flashpatch.kernels.config import LaunchConfig as L  # noqa: E402
 
-# Round 7: the tuned defaults (grid order per kernel, round 5) against one-warpgroup dK/dV tiles, which leave
-# registers to spare and so may keep two programs per SM. Earlier rounds: docs/results/h200/tune_round{1..6}.json
-# (1-3: tiles; 4: TMA descriptors, warp specialization, TMA atomic dQ; 5: grid order; 6: matmul operands held in
-# registers, since removed). Each entry: (name, KernelConfigs fields to override).
+# Round 7: one-warpgroup dK/dV tiles, which leave room for two programs per SM, with and without TMA
+# descriptors. Earlier rounds: docs/results/h200/tune_round{1..6}.json (1-3: tiles; 4: TMA descriptors, warp
+# specialization, TMA atomic dQ; 5: grid order; 6: matmul operands held in registers; the code for warp
+# specialization and register operands was removed after those rounds). Each entry: (name, function of the
+# current KernelConfigs giving the fields to override); `tile` keeps the current grid order.
+
+
+def tile(cfg, block_m, block_n, num_warps, num_stages, tma=None):
+    return replace(cfg, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                   tma=cfg.tma if tma is None else tma)
+
+
+def all_tma(c):
+    return dict(fwd=replace(c.fwd, tma=True), bwd_dkdv=replace(c.bwd_dkdv, tma=True),
+                bwd_dq=replace(c.bwd_dq, tma=True))
+
+
 FWD = {
-    128: [("current", dict()), ("tma", dict(tma=True))],
-    64: [("current", dict()), ("tma", dict(tma=True))],
+    128: [("current", lambda c: {}), ("tma", lambda c: dict(fwd=replace(c.fwd, tma=True)))],
+    64: [("current", lambda c: {}), ("tma", lambda c: dict(fwd=replace(c.fwd, tma=True)))],
 }
 BWD = {
     128: [
-        ("current", dict()),
-        ("tma", dict(tma=True)),
-        ("dkdv 64x64 w4 s2", dict(bwd_dkdv=L(64, 64, 4, 2))),
-        ("tma dkdv 64x64 w4 s2", dict(tma=True, bwd_dkdv=L(64, 64, 4, 2))),
-        ("tma dkdv 64x64 w4 s3", dict(tma=True, bwd_dkdv=L(64, 64, 4, 3))),
-        ("tma dkdv 32x64 w4 s3", dict(tma=True, bwd_dkdv=L(32, 64, 4, 3))),
+        ("current", lambda c: {}),
+        ("tma", all_tma),
+        ("dkdv 64x64 w4 s2", lambda c: dict(bwd_dkdv=tile(c.bwd_dkdv, 64, 64, 4, 2))),
+        ("tma dkdv 64x64 w4 s2", lambda c: {**all_tma(c), "bwd_dkdv": tile(c.bwd_dkdv, 64, 64, 4, 2, True)}),
+        ("tma dkdv 64x64 w4 s3", lambda c: {**all_tma(c), "bwd_dkdv": tile(c.bwd_dkdv, 64, 64, 4, 3, True)}),
+        ("tma dkdv 32x64 w4 s3", lambda c: {**all_tma(c), "bwd_dkdv": tile(c.bwd_dkdv, 32, 64, 4, 3, True)}),
     ],
     64: [
-        ("current", dict()),
-        ("tma", dict(tma=True)),
-        ("dkdv 64x64 w4 s3", dict(bwd_dkdv=L(64, 64, 4, 3))),
-        ("tma dkdv 64x64 w4 s3", dict(tma=True, bwd_dkdv=L(64, 64, 4, 3))),
-        ("tma dkdv 64x128 w8 s3", dict(tma=True, bwd_dkdv=L(64, 128, 8, 3))),
+        ("current", lambda c: {}),
+        ("tma", all_tma),
+        ("dkdv 64x64 w4 s3", lambda c: dict(bwd_dkdv=tile(c.bwd_dkdv, 64, 64, 4, 3))),
+        ("tma dkdv 64x64 w4 s3", lambda c: {**all_tma(c), "bwd_dkdv": tile(c.bwd_dkdv, 64, 64, 4, 3, True)}),
+        ("tma dkdv 64x128 w8 s3", lambda c: {**all_tma(c), "bwd_dkdv": tile(c.bwd_dkdv, 64, 128, 8, 3, True)}),
     ],
 }
-
-
-def keep_grid_order(fields, headdim, causal):
-    """An overriding LaunchConfig keeps the grid order the defaults use for that kernel and mask."""
-    default = kc.configs_for(headdim, True, masked=causal)
-    return {name: replace(value, blocks_fastest=getattr(default, name).blocks_fastest)
-            if isinstance(value, L) else value for name, value in fields.items()}
 
 
 def tflops(ms, flops):
@@ -96,8 +102,8 @@ def main():
                 tag = f"d{headdim} n{seqlen} {'causal' if causal else 'full'}"
                 dout = torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16)
                 want = None
-                for name, fields in FWD[headdim]:
-                    fields = keep_grid_order(fields, headdim, causal)
+                for name, make_fields in FWD[headdim]:
+                    fields = make_fields(kc.configs_for(headdim, True, masked=causal))
                     with kc.override(**fields):
                         ms = bench(lambda: flashpatch.flash_attn_func(q, k, v, causal=causal))
                         err = float("nan")
@@ -108,8 +114,8 @@ def main():
                     record(rows, tag, "fwd", name, ms, flops, err)
                 out = flashpatch.flash_attn_func(q, k, v, causal=causal)
                 want = None
-                for name, fields in BWD[headdim]:
-                    fields = keep_grid_order(fields, headdim, causal)
+                for name, make_fields in BWD[headdim]:
+                    fields = make_fields(kc.configs_for(headdim, True, masked=causal))
                     with kc.override(**fields):
                         ms = bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
                         err = float("nan")

@@ -59,6 +59,36 @@ def test_dq_strategies_bf16(atomic_dq):
     check_against_reference(out, grads, q, k, v, dout, causal=True)
 
 
+@pytest.mark.parametrize("atomic_dq", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tma_tiles_in_every_kernel_bf16(atomic_dq, causal):
+    # TMA loads and stores in all three kernels, both grid orders' worth of odd tails (1000 rows), and with
+    # atomic dQ the bulk reduce-add into the fp32 accumulator
+    from dataclasses import replace
+
+    base = kernel_config.configs_for(128, True, masked=causal)
+    tma = {name: replace(getattr(base, name), tma=True) for name in ("fwd", "bwd_dkdv", "bwd_dq")}
+    q, k, v = random_qkv(2, 1000, 1000, 8, 2, 128, torch.bfloat16, device="cuda")
+    assert flashpatch.ops.tma_usable(128, q, k, v)
+    with kernel_config.override(atomic_dq=atomic_dq, **tma):
+        out = flashpatch.flash_attn_func(q, k, v, causal=causal)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(out, grads, q, k, v, dout, causal=causal)
+
+
+def test_misaligned_layout_falls_back_to_pointer_tiles_bf16():
+    # q, k, v viewed 2 bytes into a buffer: no 16-byte aligned base, so no descriptors; same results
+    shape = (2, 1000, 4, 128)
+    bufs = [torch.randn(2 * 1000 * 4 * 128 + 1, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    q, k, v = (b[1:].view(shape).requires_grad_() for b in bufs)
+    assert not flashpatch.ops.tma_usable(128, q, k, v)
+    out = flashpatch.flash_attn_func(q, k, v)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(out, grads, q, k, v, dout)
+
+
 def test_varlen_realistic_mix_bf16():
     gen = torch.Generator().manual_seed(0)
     lengths = torch.exp(torch.empty(24).uniform_(4.2, 8.3, generator=gen)).long().tolist()  # ~64 .. ~4000

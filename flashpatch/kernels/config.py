@@ -19,6 +19,7 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 1
     blocks_fastest: bool = False  # grid order (common.head_and_block): a head's blocks on consecutive programs
+    tma: bool = False  # tensor (TMA) descriptors for tiles, where the GPU and the layout allow (ops.tma_usable)
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,6 @@ class KernelConfigs:
     bwd_dkdv: LaunchConfig  # block_n keys per program, block_m queries per inner step
     bwd_dq: LaunchConfig
     atomic_dq: bool  # accumulate dQ inside the dK/dV kernel (not deterministic) instead of a separate dQ pass
-    tma: bool = False  # tensor (TMA) descriptors for tiles, where the GPU and the layout allow (ops.tma_usable)
 
 
 _OVERRIDE: dict = {}
@@ -42,8 +42,8 @@ def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool
 
     The separate dQ pass beat atomic dQ in every measured case (e.g. d128 n8192 causal: 253 vs 232 TFLOP/s
     backward; round 4: 290 vs 246 with TMA bulk reduce-add), so it is the default, which also makes the backward
-    deterministic by construction. TMA descriptors (`tma`) are off: in rounds 4-6 they were within noise of
-    pointer arithmetic (d128: a few % slower, d64: a few % faster)."""
+    deterministic by construction. TMA descriptors (`tma`) are used only where they measured faster: elsewhere in
+    rounds 4-7 they were within noise of pointer arithmetic, or slower (the d128 forward: 490 -> 456)."""
     block_d = triton.next_power_of_2(headdim)
     # Grid order (round 5, docs/results/h200/tune_round5.json): the forward always runs a head's query blocks on
     # consecutive programs (d128 n8192 full 445 -> 498 TFLOP/s, causal 414 -> 439), which lets the programs in
@@ -68,12 +68,22 @@ def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool
             bwd_dq=LaunchConfig(128, 64, num_warps=4, num_stages=3, blocks_fastest=bwd_blocks_fastest),
             atomic_dq=False,
         )
-    elif block_d <= 128:
-        # Round 3, n8192 backward: causal 288 TFLOP/s (was 257), full 330 (was 259).
+    elif block_d <= 128 and masked:
+        # Round 3, n8192 backward: causal 288 TFLOP/s (was 257).
         cfg = KernelConfigs(
-            fwd=LaunchConfig(128, 64 if masked or dropout else 128, num_warps=8, num_stages=3, blocks_fastest=True),
-            bwd_dkdv=LaunchConfig(32, 128, num_warps=8, num_stages=3, blocks_fastest=bwd_blocks_fastest),
-            bwd_dq=LaunchConfig(128, 64, num_warps=8, num_stages=3, blocks_fastest=bwd_blocks_fastest),
+            fwd=LaunchConfig(128, 64, num_warps=8, num_stages=3, blocks_fastest=True),
+            bwd_dkdv=LaunchConfig(32, 128, num_warps=8, num_stages=3),
+            bwd_dq=LaunchConfig(128, 64, num_warps=8, num_stages=3),
+            atomic_dq=False,
+        )
+    elif block_d <= 128:
+        # Round 7 (tune_round7.json), n4096 / n8192 backward: 317 / 325 -> 344 / 352 TFLOP/s with one-warpgroup
+        # dK/dV tiles over 64 keys: 83 KB of shared memory and 128 threads, so two programs share an SM and hide
+        # each other's latency. They need TMA loads: with pointer tiles they spill. (With a mask they tie.)
+        cfg = KernelConfigs(
+            fwd=LaunchConfig(128, 64 if dropout else 128, num_warps=8, num_stages=3, blocks_fastest=True),
+            bwd_dkdv=LaunchConfig(32, 64, num_warps=4, num_stages=3, blocks_fastest=True, tma=True),
+            bwd_dq=LaunchConfig(128, 64, num_warps=8, num_stages=3, blocks_fastest=True, tma=True),
             atomic_dq=False,
         )
     else:  # head dim 256: register pressure; small tiles (not yet tuned)

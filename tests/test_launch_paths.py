@@ -1,0 +1,79 @@
+"""The launch variants the GPU configs choose between compute the same function: both grid orders
+(LaunchConfig.blocks_fastest) and tensor-descriptor (TMA) tiles, checked against the float64 reference.
+
+The interpreter runs tensor descriptors (loads and stores, not the bulk reduce-add of atomic dQ), so the TMA
+paths are forced on here by declaring the device capable; tests/test_gpu.py checks them on the GPU, atomic dQ
+included."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import flashpatch
+from flashpatch import ops
+from flashpatch.kernels import config as kernel_config
+from flashpatch.padding import cu_seqlens_from_lengths
+from flashpatch.reference import varlen_attention_reference
+from tests.helpers import check_against_reference, random_qkv
+
+
+def launches(blocks_fastest: bool, tma: bool):
+    base = kernel_config.configs_for(64, False)
+    return {name: replace(getattr(base, name), blocks_fastest=blocks_fastest, tma=tma)
+            for name in ("fwd", "bwd_dkdv", "bwd_dq")}
+
+
+@pytest.fixture
+def tma_capable(monkeypatch):
+    monkeypatch.setattr(ops, "_tma_supported", lambda device: True)
+
+
+@pytest.mark.parametrize("blocks_fastest", [False, True])
+@pytest.mark.parametrize("kwargs", [{"causal": True}, {"window_size": (9, 3)}, {}], ids=str)
+def test_grid_orders_match_reference(blocks_fastest, kwargs):
+    q, k, v = random_qkv(2, 45, 70, 4, 2, 32, torch.float32)
+    with kernel_config.override(**launches(blocks_fastest, tma=False)):
+        out = flashpatch.flash_attn_func(q, k, v, **kwargs)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(out, grads, q, k, v, dout, **kwargs)
+
+
+@pytest.mark.parametrize("seqlens,kwargs", [((70, 45), {"causal": True}), ((33, 33), {}), ((1, 17), {"causal": True})],
+                         ids=str)
+def test_tma_tiles_match_reference(tma_capable, seqlens, kwargs):
+    # rows past the sequence end come from the descriptor's zero fill, not from masks: odd lengths test that
+    q, k, v = random_qkv(2, *seqlens, 4, 2, 32, torch.float16)
+    assert ops.tma_usable(32, q, k, v)
+    with kernel_config.override(**launches(blocks_fastest=True, tma=True)):
+        out = flashpatch.flash_attn_func(q, k, v, **kwargs)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(out, grads, q, k, v, dout, **kwargs)
+
+
+def test_tma_tiles_varlen_match_reference(tma_capable):
+    # a descriptor per sequence: a tile never reads the next document's rows
+    lengths = [23, 1, 40, 9]
+    cu = cu_seqlens_from_lengths(torch.tensor(lengths))
+    q, k, v = (torch.randn(sum(lengths), h, 32, dtype=torch.float16, requires_grad=True) for h in (4, 2, 2))
+    with kernel_config.override(**launches(blocks_fastest=True, tma=True)):
+        out = flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(out, grads, q, k, v, dout, reference=varlen_attention_reference, ref_args=(cu, cu),
+                            causal=True)
+
+
+def test_tma_only_where_the_layout_allows(tma_capable):
+    q = torch.randn(2, 16, 4, 64, dtype=torch.float16)
+    assert ops.tma_usable(64, q)
+    assert not ops.tma_usable(48, torch.randn(2, 16, 4, 48, dtype=torch.float16))  # tile != head dim
+    wide = torch.randn(2 * 16 * 4 * 64 + 1, dtype=torch.float16)
+    assert not ops.tma_usable(64, wide[1:].view(2, 16, 4, 64))  # base 2 bytes off 16-byte alignment
+    assert not ops.tma_usable(64, torch.randn(2, 16, 4, 65, dtype=torch.float16)[..., :64])  # row stride 130 B
+
+
+def test_tma_unavailable_on_cpu_tensors():
+    assert not ops.tma_usable(64, torch.randn(2, 16, 4, 64, dtype=torch.float16))
