@@ -77,13 +77,15 @@ def _tma_supported(device: torch.device) -> bool:
 
 
 def tma_usable(headdim: int, *tensors: torch.Tensor) -> bool:
-    """Tensor descriptors need a power-of-two head dim (the tile is the whole row) and 16-byte aligned bases and
-    strides in every tensor they address; otherwise the kernels use pointer arithmetic."""
+    """Tensor descriptors need a power-of-two head dim (the tile is the whole row) of at least 16 bytes, and
+    16-byte aligned bases and strides in every tensor they address; otherwise the kernels use pointer arithmetic."""
     if headdim != triton.next_power_of_2(headdim) or not _tma_supported(tensors[0].device):
         return False
     for t in tensors:
         size = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * size) % 16 for s in t.stride()[:-1]):
+        if headdim * size < 16 or t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any((s * size) % 16 for s in t.stride()[:-1]):
             return False
     return True
 
@@ -105,6 +107,14 @@ def _ensure_allocator() -> None:
 
 def _grid(heads: int, num_blocks: int, blocks_fastest: bool) -> tuple[int, ...]:
     return (heads * num_blocks,) if blocks_fastest else (heads, num_blocks)
+
+
+def _even(enabled: bool, varlen: bool, headdim: int, *length_and_tile: int) -> bool:
+    """Every inner-loop tile lies in bounds: dense (varlen sequences end anywhere), the head dim is a power of two
+    (no padded columns), and each (length, tile) pair divides."""
+    pairs = zip(length_and_tile[::2], length_and_tile[1::2])
+    return (enabled and not varlen and headdim == triton.next_power_of_2(headdim)
+            and all(length % tile == 0 for length, tile in pairs))
 
 
 def batch_size(q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]) -> int:
@@ -153,6 +163,7 @@ def attn_fwd(
         HEADDIM=headdim, BLOCK_D=triton.next_power_of_2(headdim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **_common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype),
         TMA=tma, BLOCKS_FASTEST=cfg.blocks_fastest,
+        EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, cfg.block_n),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
@@ -231,7 +242,8 @@ def attn_bwd(
         nheads, nheads_k, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
         qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
         HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq, TMA=tma_dkdv,
-        BLOCKS_FASTEST=c.blocks_fastest, **flags,
+        BLOCKS_FASTEST=c.blocks_fastest, EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_q, c.block_m),
+        **flags,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     if atomic_dq:
@@ -245,7 +257,8 @@ def attn_bwd(
             nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
             qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
             HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, TMA=tma_dq,
-            BLOCKS_FASTEST=c.blocks_fastest, **flags,
+            BLOCKS_FASTEST=c.blocks_fastest, EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, c.block_n),
+            **flags,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
     return dq, dk, dv

@@ -78,14 +78,15 @@ def main():
             (attn_bwd_dkdv_kernel, cfgs.bwd_dkdv, {"ATOMIC_DQ": True}),
         ):
             launch = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "TMA": cfg.tma,
-                      "BLOCKS_FASTEST": cfg.blocks_fastest}
+                      "BLOCKS_FASTEST": cfg.blocks_fastest, "EVEN": not varlen}
             compile_one(fn, dtype, {**flags, **extra, **launch}, args.arch, cfg.num_warps, cfg.num_stages)
             n += 1
     compile_one(attn_bwd_preprocess_kernel, "bf16",
                 {"HEADDIM": 80, "BLOCK_D": 128, "BLOCK_M": 128, "IS_VARLEN": True}, args.arch)
     fp32 = dict(IS_VARLEN=False, HAS_LEFT=True, HAS_RIGHT=True, SOFTCAP=True, DROPOUT=True, DOT_PRECISION="ieee",
                 HEADDIM=40, BLOCK_D=64)
-    compile_one(attn_fwd_kernel, "fp32", {**fp32, "BLOCK_M": 64, "BLOCK_N": 32, "TMA": False, "BLOCKS_FASTEST": False},
+    compile_one(attn_fwd_kernel, "fp32", {**fp32, "BLOCK_M": 64, "BLOCK_N": 32, "TMA": False, "BLOCKS_FASTEST": False,
+                                          "EVEN": False},
                 args.arch)
     print(f"compiled {n + 2} kernel variants for sm_{args.arch}, each within {SHARED_MEMORY_LIMIT} bytes of "
           "shared memory")

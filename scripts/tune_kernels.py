@@ -21,44 +21,16 @@ import flashpatch  # noqa: E402
 from flashpatch.kernels import config as kc  # noqa: E402
 from flashpatch.kernels.config import LaunchConfig as L  # noqa: E402
 
-# Round 7: one-warpgroup dK/dV tiles, which leave room for two programs per SM, with and without TMA
-# descriptors. Earlier rounds: docs/results/h200/tune_round{1..6}.json (1-3: tiles; 4: TMA descriptors, warp
-# specialization, TMA atomic dQ; 5: grid order; 6: matmul operands held in registers; the code for warp
-# specialization and register operands was removed after those rounds). Each entry: (name, function of the
-# current KernelConfigs giving the fields to override); `tile` keeps the current grid order.
-
-
-def tile(cfg, block_m, block_n, num_warps, num_stages, tma=None):
-    return replace(cfg, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                   tma=cfg.tma if tma is None else tma)
-
-
-def all_tma(c):
-    return dict(fwd=replace(c.fwd, tma=True), bwd_dkdv=replace(c.bwd_dkdv, tma=True),
-                bwd_dq=replace(c.bwd_dq, tma=True))
-
-
+# Round 8: inner-loop loads without bounds masks when the lengths divide the tiles (KernelConfigs.even_tiles),
+# against the same kernels with masks. Earlier rounds: docs/results/h200/tune_round{1..7}.json (1-3: tiles; 4: TMA
+# descriptors, warp specialization, TMA atomic dQ; 5: grid order; 6: matmul operands held in registers; 7:
+# one-warpgroup dK/dV tiles; the code for warp specialization and register operands was removed after those
+# rounds). Each entry: (name, function of the current KernelConfigs giving the fields to override).
 FWD = {
-    128: [("current", lambda c: {}), ("tma", lambda c: dict(fwd=replace(c.fwd, tma=True)))],
-    64: [("current", lambda c: {}), ("tma", lambda c: dict(fwd=replace(c.fwd, tma=True)))],
+    128: [("current", lambda c: {}), ("bounds masks", lambda c: dict(even_tiles=False))],
+    64: [("current", lambda c: {}), ("bounds masks", lambda c: dict(even_tiles=False))],
 }
-BWD = {
-    128: [
-        ("current", lambda c: {}),
-        ("tma", all_tma),
-        ("dkdv 64x64 w4 s2", lambda c: dict(bwd_dkdv=tile(c.bwd_dkdv, 64, 64, 4, 2))),
-        ("tma dkdv 64x64 w4 s2", lambda c: {**all_tma(c), "bwd_dkdv": tile(c.bwd_dkdv, 64, 64, 4, 2, True)}),
-        ("tma dkdv 64x64 w4 s3", lambda c: {**all_tma(c), "bwd_dkdv": tile(c.bwd_dkdv, 64, 64, 4, 3, True)}),
-        ("tma dkdv 32x64 w4 s3", lambda c: {**all_tma(c), "bwd_dkdv": tile(c.bwd_dkdv, 32, 64, 4, 3, True)}),
-    ],
-    64: [
-        ("current", lambda c: {}),
-        ("tma", all_tma),
-        ("dkdv 64x64 w4 s3", lambda c: dict(bwd_dkdv=tile(c.bwd_dkdv, 64, 64, 4, 3))),
-        ("tma dkdv 64x64 w4 s3", lambda c: {**all_tma(c), "bwd_dkdv": tile(c.bwd_dkdv, 64, 64, 4, 3, True)}),
-        ("tma dkdv 64x128 w8 s3", lambda c: {**all_tma(c), "bwd_dkdv": tile(c.bwd_dkdv, 64, 128, 8, 3, True)}),
-    ],
-}
+BWD = FWD
 
 
 def tflops(ms, flops):

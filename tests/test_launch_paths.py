@@ -70,6 +70,7 @@ def test_tma_only_where_the_layout_allows(tma_capable):
     q = torch.randn(2, 16, 4, 64, dtype=torch.float16)
     assert ops.tma_usable(64, q)
     assert not ops.tma_usable(48, torch.randn(2, 16, 4, 48, dtype=torch.float16))  # tile != head dim
+    assert not ops.tma_usable(4, torch.randn(2, 16, 4, 4, dtype=torch.float16))  # rows under 16 bytes
     wide = torch.randn(2 * 16 * 4 * 64 + 1, dtype=torch.float16)
     assert not ops.tma_usable(64, wide[1:].view(2, 16, 4, 64))  # base 2 bytes off 16-byte alignment
     assert not ops.tma_usable(64, torch.randn(2, 16, 4, 65, dtype=torch.float16)[..., :64])  # row stride 130 B
@@ -77,3 +78,17 @@ def test_tma_only_where_the_layout_allows(tma_capable):
 
 def test_tma_unavailable_on_cpu_tensors():
     assert not ops.tma_usable(64, torch.randn(2, 16, 4, 64, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("even_tiles", [True, False])
+@pytest.mark.parametrize("kwargs", [{"causal": True}, {}], ids=str)
+def test_unmasked_tile_loads_match_reference(even_tiles, kwargs):
+    # lengths that the interpreter's 32-wide tiles divide, so with even_tiles the inner loops load without
+    # bounds masks (ops._even); 64 queries against 96 keys also puts the causal diagonal off the tile corners
+    q, k, v = random_qkv(2, 64, 96, 4, 2, 32, torch.float32)
+    assert ops._even(even_tiles, False, 32, 64, 32, 96, 32) == even_tiles
+    with kernel_config.override(even_tiles=even_tiles):
+        out = flashpatch.flash_attn_func(q, k, v, **kwargs)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(out, grads, q, k, v, dout, **kwargs)

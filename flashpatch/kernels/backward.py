@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from flashpatch.kernels.common import (
-    dropout_keep, head_and_block, head_rows_desc, key_block_range, query_block_program, query_block_range, seq_bounds, tanh,
-    visible)
+    dropout_keep, head_and_block, head_rows_desc, key_block_range, load_tile, query_block_program, query_block_range,
+    seq_bounds, tanh, visible)
 
 
 @triton.jit(do_not_specialize=["max_seqlen_q", "stride_lse_b", "stride_lse_h"])
@@ -53,7 +53,7 @@ def _dkdv_inner(
     qk_scale, cap_log2, softmax_scale, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, EVEN: tl.constexpr,
 ):
     inv_keep = 1.0 / (1.0 - dropout_p)
     zero64 = tl.zeros((), dtype=tl.int64)  # loop offsets times strides in 64 bits
@@ -64,8 +64,8 @@ def _dkdv_inner(
         if TMA:
             q_t = tl.trans(q_desc.load([start, 0]))  # (D, BM)
         else:
-            q_t = tl.load(q_ptrs + (start + zero64) * stride_qs, mask=q_mask, other=0.0)  # (D, BM)
-        lse = tl.load(lse_ptrs + start, mask=row_ok, other=float("inf"))  # natural log
+            q_t = load_tile(q_ptrs + (start + zero64) * stride_qs, q_mask, 0.0, EVEN)  # (D, BM)
+        lse = load_tile(lse_ptrs + start, row_ok, float("inf"), EVEN)  # natural log
         qk_t = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # (BN, BM): scores transposed
         if SOFTCAP:
             t = tanh(qk_t * qk_scale)
@@ -80,7 +80,7 @@ def _dkdv_inner(
         if TMA:
             do = do_desc.load([start, 0])  # (BM, D)
         else:
-            do = tl.load(do_ptrs + (start + zero64) * stride_dos, mask=tl.trans(q_mask), other=0.0)  # (BM, D)
+            do = load_tile(do_ptrs + (start + zero64) * stride_dos, tl.trans(q_mask), 0.0, EVEN)  # (BM, D)
         if DROPOUT:
             keep = dropout_keep(seed, offset, drop_row_base, offs_m, n_start, max_seqlen_k, dropout_p,
                                 BLOCK_M, BLOCK_N)  # (BM, BN)
@@ -92,7 +92,7 @@ def _dkdv_inner(
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BN, BM)
         if DROPOUT:
             dp_t = tl.where(keep_t, dp_t * inv_keep, 0.0)
-        delta = tl.load(delta_ptrs + start, mask=row_ok, other=0.0)
+        delta = load_tile(delta_ptrs + start, row_ok, 0.0, EVEN)
         ds_t = p_t * (dp_t - delta[None, :])  # gradient w.r.t. the (capped) scores
         if SOFTCAP:
             ds_t = ds_t * (1.0 - t * t)
@@ -123,7 +123,7 @@ def attn_bwd_dkdv_kernel(
     HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, BLOCKS_FASTEST: tl.constexpr,
+    TMA: tl.constexpr, BLOCKS_FASTEST: tl.constexpr, EVEN: tl.constexpr,
 ):
     off_bhk, pid_n = head_and_block(tl.cdiv(max_seqlen_k, BLOCK_N), BLOCKS_FASTEST)
     off_b = (off_bhk // nheads_k).to(tl.int64)
@@ -187,21 +187,21 @@ def attn_bwd_dkdv_kernel(
             offs_n, n0, offs_d, lo, full_lo, seqlen_q, seqlen_k, window_left, window_right,
             qk_scale, cap_log2, softmax_scale, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
             HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION,
-            TMA)
+            TMA, EVEN)
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptrs, delta_ptrs,
             stride_qs, stride_dos, stride_dqs,
             offs_n, n0, offs_d, full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right,
             qk_scale, cap_log2, softmax_scale, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
             HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION,
-            TMA)
+            TMA, EVEN)
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptrs, delta_ptrs,
             stride_qs, stride_dos, stride_dqs,
             offs_n, n0, offs_d, full_hi, hi, seqlen_q, seqlen_k, window_left, window_right,
             qk_scale, cap_log2, softmax_scale, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
             HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION,
-            TMA)
+            TMA, EVEN)
 
     dk = dk * softmax_scale
     if TMA:
@@ -223,7 +223,7 @@ def _dq_inner(
     qk_scale, cap_log2, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, EVEN: tl.constexpr,
 ):
     inv_keep = 1.0 / (1.0 - dropout_p)
     zero64 = tl.zeros((), dtype=tl.int64)  # loop offsets times strides in 64 bits
@@ -234,8 +234,8 @@ def _dq_inner(
             v_t = tl.trans(v_desc.load([start, 0]))  # (D, BN)
         else:
             kv_mask = (offs_n[None, :] < seqlen_k) & (offs_d[:, None] < HEADDIM)
-            k_t = tl.load(k_ptrs + (start + zero64) * stride_ks, mask=kv_mask, other=0.0)  # (D, BN)
-            v_t = tl.load(v_ptrs + (start + zero64) * stride_vs, mask=kv_mask, other=0.0)  # (D, BN)
+            k_t = load_tile(k_ptrs + (start + zero64) * stride_ks, kv_mask, 0.0, EVEN)  # (D, BN)
+            v_t = load_tile(v_ptrs + (start + zero64) * stride_vs, kv_mask, 0.0, EVEN)  # (D, BN)
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)  # (BM, BN)
         if SOFTCAP:
             t = tanh(qk * qk_scale)
@@ -273,7 +273,7 @@ def attn_bwd_dq_kernel(
     HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    BLOCKS_FASTEST: tl.constexpr,
+    BLOCKS_FASTEST: tl.constexpr, EVEN: tl.constexpr,
 ):
     off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, m0 = query_block_program(
         CU_SEQLENS_Q, CU_SEQLENS_K, nheads, group_size, max_seqlen_q, max_seqlen_k, BLOCK_M, IS_VARLEN,
@@ -316,18 +316,20 @@ def attn_bwd_dq_kernel(
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     lo, full_lo, full_hi, hi = key_block_range(
         m0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, lo, full_lo,
-                   seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
+    dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d,
+                   lo, full_lo, seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset,
+                   drop_row_base,
                    max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                   DROPOUT, DOT_PRECISION, TMA)
-    dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, full_lo,
-                   full_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset,
+                   DROPOUT, DOT_PRECISION, TMA, EVEN)
+    dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d,
+                   full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset,
                    drop_row_base, max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
-                   SOFTCAP, DROPOUT, DOT_PRECISION, TMA)
-    dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, full_hi, hi,
-                   seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
+                   SOFTCAP, DROPOUT, DOT_PRECISION, TMA, EVEN)
+    dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d,
+                   full_hi, hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset,
+                   drop_row_base,
                    max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                   DROPOUT, DOT_PRECISION, TMA)
+                   DROPOUT, DOT_PRECISION, TMA, EVEN)
     dq = dq * softmax_scale
     tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + rows * stride_dqs + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=mask)

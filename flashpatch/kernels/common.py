@@ -57,10 +57,20 @@ def query_block_program(CU_SEQLENS_Q, CU_SEQLENS_K, nheads, group_size, max_seql
 
 
 @triton.jit
+def load_tile(ptrs, mask, other, EVEN: tl.constexpr):
+    """tl.load, without the bounds mask when EVEN (every tile of the launch in bounds), which saves computing
+    the predicates in the inner loops."""
+    if EVEN:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=mask, other=other)
+
+
+@triton.jit
 def head_rows_desc(base, nrows, stride_row, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """Tensor (TMA) descriptor over one head of one sequence: nrows rows of BLOCK_D contiguous elements,
     stride_row apart, read and written in (BLOCK_ROWS, BLOCK_D) tiles. Rows past nrows load as zeros and are
-    not stored, so tiles need no masks. The host guarantees 16-byte aligned bases and strides (ops._tma_ok)."""
+    not stored, so tiles need no masks. The host guarantees 16-byte aligned bases and strides (ops.tma_usable)."""
     return tl.make_tensor_descriptor(base, shape=[nrows, BLOCK_D], strides=[stride_row, 1],
                                      block_shape=[BLOCK_ROWS, BLOCK_D])
 

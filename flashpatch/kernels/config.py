@@ -28,6 +28,7 @@ class KernelConfigs:
     bwd_dkdv: LaunchConfig  # block_n keys per program, block_m queries per inner step
     bwd_dq: LaunchConfig
     atomic_dq: bool  # accumulate dQ inside the dK/dV kernel (not deterministic) instead of a separate dQ pass
+    even_tiles: bool = True  # inner-loop loads without bounds masks when the lengths divide the tiles (ops._even)
 
 
 _OVERRIDE: dict = {}

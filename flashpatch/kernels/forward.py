@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from flashpatch.kernels.common import (
-    dropout_keep, head_rows_desc, key_block_range, query_block_program, tanh, visible)
+    dropout_keep, head_rows_desc, key_block_range, load_tile, query_block_program, tanh, visible)
 
 
 @triton.jit
@@ -20,7 +20,7 @@ def _fwd_inner(
     qk_scale, cap_log2, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, EVEN: tl.constexpr,
 ):
     zero64 = tl.zeros((), dtype=tl.int64)  # loop offsets times strides in 64 bits
     for start in range(start_n, end_n, BLOCK_N):
@@ -29,7 +29,7 @@ def _fwd_inner(
             k_t = tl.trans(k_desc.load([start, 0]))  # (D, BN)
         else:
             kv_mask = (offs_n[None, :] < seqlen_k) & (offs_d[:, None] < HEADDIM)
-            k_t = tl.load(k_ptrs + (start + zero64) * stride_ks, mask=kv_mask, other=0.0)  # (D, BN)
+            k_t = load_tile(k_ptrs + (start + zero64) * stride_ks, kv_mask, 0.0, EVEN)  # (D, BN)
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)  # (BM, BN), fp32
         if SOFTCAP:
             s = cap_log2 * tanh(qk * qk_scale)  # log2 units
@@ -51,7 +51,7 @@ def _fwd_inner(
         if TMA:
             v = v_desc.load([start, 0])  # (BN, D)
         else:
-            v = tl.load(v_ptrs + (start + zero64) * stride_vs, mask=tl.trans(kv_mask), other=0.0)  # (BN, D)
+            v = load_tile(v_ptrs + (start + zero64) * stride_vs, tl.trans(kv_mask), 0.0, EVEN)  # (BN, D)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -70,7 +70,7 @@ def attn_fwd_kernel(
     HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, BLOCKS_FASTEST: tl.constexpr,
+    TMA: tl.constexpr, BLOCKS_FASTEST: tl.constexpr, EVEN: tl.constexpr,
 ):
     off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, m0 = query_block_program(
         CU_SEQLENS_Q, CU_SEQLENS_K, nheads, group_size, max_seqlen_q, max_seqlen_k, BLOCK_M, IS_VARLEN,
@@ -118,17 +118,17 @@ def attn_fwd_kernel(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, lo, full_lo,
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
         max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT,
-        DOT_PRECISION, TMA)
+        DOT_PRECISION, TMA, EVEN)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, full_lo, full_hi,
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
         max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT,
-        DOT_PRECISION, TMA)
+        DOT_PRECISION, TMA, EVEN)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, full_hi, hi,
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
         max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT,
-        DOT_PRECISION, TMA)
+        DOT_PRECISION, TMA, EVEN)
 
     empty = l_i == 0.0  # the row sees no key: output 0, LSE +inf (so backward recomputes P = 0)
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
