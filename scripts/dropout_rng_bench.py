@@ -8,11 +8,15 @@ and folds them into one count per program (so nothing is optimized away). Varian
     python scripts/dropout_rng_bench.py      (CUDA GPU)
 """
 
+import sys
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
 
-from flashpatch.kernels.common import dropout_keep
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from a checkout, not installed
+from flashpatch.kernels.common import dropout_keep  # noqa: E402
 
 
 @triton.jit

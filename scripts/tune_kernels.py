@@ -21,16 +21,58 @@ import flashpatch  # noqa: E402
 from flashpatch.kernels import config as kc  # noqa: E402
 from flashpatch.kernels.config import LaunchConfig as L  # noqa: E402
 
-# Round 8: inner-loop loads without bounds masks when the lengths divide the tiles (KernelConfigs.even_tiles),
-# against the same kernels with masks. Earlier rounds: docs/results/h200/tune_round{1..7}.json (1-3: tiles; 4: TMA
-# descriptors, warp specialization, TMA atomic dQ; 5: grid order; 6: matmul operands held in registers; 7:
-# one-warpgroup dK/dV tiles; the code for warp specialization and register operands was removed after those
-# rounds). Each entry: (name, function of the current KernelConfigs giving the fields to override).
+# Round 10: with unmasked loads (round 8) in place, the causal tiles again: TMA, grid order and narrower dK/dV
+# tiles were last timed with a mask before round 8. Earlier rounds: docs/results/h200/tune_round{1..9}.json
+# (1-3: tiles; 4: TMA descriptors, warp specialization, TMA atomic dQ; 5: grid order; 6: matmul operands held in
+# registers; 7: one-warpgroup dK/dV tiles; 8: loads without bounds masks; 9: dropout tiles; the code for warp
+# specialization and register operands was removed after those rounds). Each entry: (name, function of the
+# current KernelConfigs giving the fields to override).
 FWD = {
-    128: [("current", lambda c: {}), ("bounds masks", lambda c: dict(even_tiles=False))],
-    64: [("current", lambda c: {}), ("bounds masks", lambda c: dict(even_tiles=False))],
+    128: [("current", lambda c: {}),
+          ("fwd 128x128 w8 s3", lambda c: dict(fwd=replace(c.fwd, block_n=128))),
+          ("fwd TMA", lambda c: dict(fwd=replace(c.fwd, tma=True))),
+          ("fwd 128x64 w8 s4", lambda c: dict(fwd=replace(c.fwd, num_stages=4)))],
+    64: [("current", lambda c: {}),
+         ("fwd 128x128 w4 s2", lambda c: dict(fwd=replace(c.fwd, block_n=128, num_stages=2))),
+         ("fwd TMA", lambda c: dict(fwd=replace(c.fwd, tma=True))),
+         ("fwd 128x64 w8 s3", lambda c: dict(fwd=replace(c.fwd, num_warps=8)))],
 }
-BWD = FWD
+BWD = {
+    128: [("current", lambda c: {}),
+          ("dkdv 32x64 w4 s3 TMA", lambda c: dict(bwd_dkdv=L(32, 64, 4, 3, c.bwd_dkdv.blocks_fastest, True))),
+          ("dkdv 32x64 w4 s3 TMA, blocks first", lambda c: dict(bwd_dkdv=L(32, 64, 4, 3, True, True))),
+          ("dkdv TMA", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, tma=True))),
+          ("dq TMA", lambda c: dict(bwd_dq=replace(c.bwd_dq, tma=True))),
+          ("dkdv 64x64 w4 s3 TMA", lambda c: dict(bwd_dkdv=L(64, 64, 4, 3, c.bwd_dkdv.blocks_fastest, True))),
+          ("dkdv 64x128 w8 s2 TMA", lambda c: dict(bwd_dkdv=L(64, 128, 8, 2, c.bwd_dkdv.blocks_fastest, True)))],
+    64: [("current", lambda c: {}),
+         ("dkdv TMA", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, tma=True))),
+         ("dq TMA", lambda c: dict(bwd_dq=replace(c.bwd_dq, tma=True))),
+         ("dkdv 64x64 w4 s3", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_m=64, block_n=64, num_stages=3))),
+         ("dkdv 32x64 w4 s3", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_n=64, num_stages=3))),
+         ("dkdv 64x128 w8 s3", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_m=64, num_warps=8, num_stages=3)))],
+}
+
+# Round 9 (--dropout P): attention dropout at d128, whose tiles were never tuned on their own. The forward draws
+# the keep bits with ALU work that the matmuls do not hide; the backward draws them twice (dK/dV and dQ kernels),
+# once with atomic dQ.
+DROPOUT_FWD = [
+    ("current", lambda c: {}),
+    ("fwd 64x64 w4 s3", lambda c: dict(fwd=replace(c.fwd, block_m=64, block_n=64, num_warps=4))),
+    ("fwd 128x32 w8 s3", lambda c: dict(fwd=replace(c.fwd, block_n=32))),
+    ("fwd 128x64 w4 s3", lambda c: dict(fwd=replace(c.fwd, num_warps=4))),
+    ("fwd 64x32 w4 s3", lambda c: dict(fwd=replace(c.fwd, block_m=64, block_n=32, num_warps=4))),
+]
+DROPOUT_BWD = [
+    ("current", lambda c: {}),
+    ("dq pointers", lambda c: dict(bwd_dq=replace(c.bwd_dq, tma=False))),
+    ("atomic dQ", lambda c: dict(atomic_dq=True)),
+    ("atomic dQ, TMA", lambda c: dict(atomic_dq=True, bwd_dkdv=replace(c.bwd_dkdv, tma=True))),
+    ("dkdv 32x64 w4 s3 TMA", lambda c: dict(bwd_dkdv=L(32, 64, 4, 3, c.bwd_dkdv.blocks_fastest, True))),
+    ("dkdv 64x64 w4 s2 TMA", lambda c: dict(bwd_dkdv=L(64, 64, 4, 2, c.bwd_dkdv.blocks_fastest, True))),
+    ("dq 64x64 w4 s3", lambda c: dict(bwd_dq=replace(c.bwd_dq, block_m=64, num_warps=4))),
+    ("atomic dQ, dkdv 32x64 w4 TMA", lambda c: dict(atomic_dq=True, bwd_dkdv=L(32, 64, 4, 3, c.bwd_dkdv.blocks_fastest, True))),
+]
 
 
 def tflops(ms, flops):
@@ -59,11 +101,15 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="runs/tune")
     parser.add_argument("--seqlens", default="8192")
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout_p: time round 9's dropout grid at d128")
     args = parser.parse_args()
+    p = args.dropout
+    fwd_grid = {128: DROPOUT_FWD} if p else FWD
+    bwd_grid = {128: DROPOUT_BWD} if p else BWD
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
-    for headdim in (128, 64):
+    for headdim in fwd_grid:
         nheads = 2048 // headdim
         for seqlen in (int(s) for s in args.seqlens.split(",")):
             batch = 16384 // seqlen
@@ -71,23 +117,25 @@ def main():
                 q, k, v = (torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16,
                                        requires_grad=True) for _ in range(3))
                 flops = 4 * batch * nheads * seqlen * seqlen * headdim / (2 if causal else 1)
-                tag = f"d{headdim} n{seqlen} {'causal' if causal else 'full'}"
+                tag = f"d{headdim} n{seqlen} {'causal' if causal else 'full'}" + (f" p{p}" if p else "")
+                attend = lambda: flashpatch.flash_attn_func(q, k, v, dropout_p=p, causal=causal)  # noqa: E731
                 dout = torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16)
                 want = None
-                for name, make_fields in FWD[headdim]:
-                    fields = make_fields(kc.configs_for(headdim, True, masked=causal))
+                for name, make_fields in fwd_grid[headdim]:
+                    fields = make_fields(kc.configs_for(headdim, True, masked=causal, dropout=p > 0))
                     with kc.override(**fields):
-                        ms = bench(lambda: flashpatch.flash_attn_func(q, k, v, causal=causal))
+                        ms = bench(attend)
                         err = float("nan")
                         if ms == ms:
-                            got = flashpatch.flash_attn_func(q, k, v, causal=causal)
+                            torch.manual_seed(0)  # the same keep bits for every variant
+                            got = attend()
                             want = got if want is None else want
                             err = rel_err(got, want)
                     record(rows, tag, "fwd", name, ms, flops, err)
-                out = flashpatch.flash_attn_func(q, k, v, causal=causal)
+                out = attend()
                 want = None
-                for name, make_fields in BWD[headdim]:
-                    fields = make_fields(kc.configs_for(headdim, True, masked=causal))
+                for name, make_fields in bwd_grid[headdim]:
+                    fields = make_fields(kc.configs_for(headdim, True, masked=causal, dropout=p > 0))
                     with kc.override(**fields):
                         ms = bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
                         err = float("nan")

@@ -160,7 +160,11 @@ def dropout_keep(seed, offset, row_base, offs_m, start_n, max_seqlen_k, dropout_
     row_base = (b * nheads + h) * max_seqlen_q, and the four 32-bit outputs serve keys 4g .. 4g + 3. So one Philox
     call yields four decisions, in 32-bit integer arithmetic, and the bits depend on no block size, grid or layout
     (packed and padded batches agree). start_n must be a multiple of 4 (key-block starts are multiples of BLOCK_N).
-    Each decision compares 24 random bits with dropout_p."""
+    Each decision keeps the weight when the top 24 bits, read as a multiple of 2^-24 in [0, 1), are >= dropout_p.
+
+    The decisions are taken on the four (BM, BN / 4) outputs before they are interleaved: comparing 24-bit
+    integers with ceil(dropout_p * 2^24) is the same test as comparing the float (exact, since scaling by 2^24 is),
+    and the interleave then moves one byte per weight through shared memory instead of four."""
     groups_per_row = (max_seqlen_k + 3) // 4
     rows = row_base + offs_m.to(tl.int64)  # (BM,)
     groups = start_n // 4 + tl.arange(0, BLOCK_N // 4)  # (BN / 4,)
@@ -169,7 +173,10 @@ def dropout_keep(seed, offset, row_base, offs_m, start_n, max_seqlen_k, dropout_
     c1 = (counter >> 32).to(tl.uint32)
     zero = tl.zeros_like(c0)
     r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero, zero)
-    # Interleave so that key 4g + i takes output i: join(join(r0, r2), join(r1, r3))[..., g, a, b] = r[2a + b].
-    bits = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_M, BLOCK_N))
-    uniform = (bits >> 8).to(tl.float32) * (1.0 / 16777216.0)  # exact multiples of 2^-24 in [0, 1)
-    return uniform >= dropout_p
+    threshold = tl.ceil(dropout_p * 16777216.0).to(tl.uint32)  # < 2^24 since dropout_p < 1
+    k0 = (r0 >> 8) >= threshold
+    k1 = (r1 >> 8) >= threshold
+    k2 = (r2 >> 8) >= threshold
+    k3 = (r3 >> 8) >= threshold
+    # Interleave so that key 4g + i takes output i: join(join(k0, k2), join(k1, k3))[..., g, a, b] = k[2a + b].
+    return tl.reshape(tl.join(tl.join(k0, k2), tl.join(k1, k3)), (BLOCK_M, BLOCK_N))
