@@ -1,0 +1,62 @@
+"""Time launch configurations on a varlen batch, whose loads keep their bounds masks (ops._even is False), so a
+tile that wins on dense rows can lose here; scripts/tune_kernels.py times dense rows only.
+
+    python scripts/tune_varlen.py [--headdim 64]      (CUDA GPU)
+
+The batch is recipes/bench_attention.py's: document lengths log-uniform in 64..4096, 64k tokens, causal, bf16,
+H*D = 2048. Prints forward and backward medians (triton.testing.do_bench) per variant.
+"""
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import triton
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "recipes")]  # runnable from a checkout, not installed
+import flashpatch  # noqa: E402
+from bench_attention import varlen_lengths  # noqa: E402
+from flashpatch.kernels import config as kc  # noqa: E402
+
+# Each entry: (name, function of the current KernelConfigs giving the fields to override).
+VARIANTS = [
+    ("current", lambda c: {}),
+    ("fwd 8 warps", lambda c: dict(fwd=replace(c.fwd, num_warps=8))),
+    ("fwd 4 warps", lambda c: dict(fwd=replace(c.fwd, num_warps=4))),
+    ("dq TMA", lambda c: dict(bwd_dq=replace(c.bwd_dq, tma=True))),
+    ("dq pointers", lambda c: dict(bwd_dq=replace(c.bwd_dq, tma=False))),
+]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--headdim", type=int, default=64)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    lengths = varlen_lengths()
+    cu_seqlens = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    total, nheads, headdim = sum(lengths), 2048 // args.headdim, args.headdim
+    q, k, v = (torch.randn(total, nheads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn_like(q)
+
+    def attend():
+        return flashpatch.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max(lengths), max(lengths),
+                                                 causal=True)
+
+    current = kc.configs_for(headdim, True, masked=True)
+    print(f"varlen, {len(lengths)} documents, {total} tokens, d{headdim}, causal")
+    for name, make_fields in VARIANTS:
+        with kc.override(**make_fields(current)):
+            fwd_ms = triton.testing.do_bench(attend, return_mode="median")
+            out = attend()
+            bwd_ms = triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+                                             return_mode="median")
+        print(f"{name:14s} fwd {fwd_ms:.3f} ms  bwd {bwd_ms:.3f} ms  total {fwd_ms + bwd_ms:.3f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
