@@ -71,7 +71,8 @@ DROPOUT_BWD = [
     ("dkdv 32x64 w4 s3 TMA", lambda c: dict(bwd_dkdv=L(32, 64, 4, 3, c.bwd_dkdv.blocks_fastest, True))),
     ("dkdv 64x64 w4 s2 TMA", lambda c: dict(bwd_dkdv=L(64, 64, 4, 2, c.bwd_dkdv.blocks_fastest, True))),
     ("dq 64x64 w4 s3", lambda c: dict(bwd_dq=replace(c.bwd_dq, block_m=64, num_warps=4))),
-    ("atomic dQ, dkdv 32x64 w4 TMA", lambda c: dict(atomic_dq=True, bwd_dkdv=L(32, 64, 4, 3, c.bwd_dkdv.blocks_fastest, True))),
+    ("atomic dQ, dkdv 32x64 w4 TMA",
+     lambda c: dict(atomic_dq=True, bwd_dkdv=L(32, 64, 4, 3, c.bwd_dkdv.blocks_fastest, True))),
 ]
 
 

@@ -63,7 +63,7 @@ def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool
     elif block_d <= 64:
         # Round 3, n8192 backward: causal 270 TFLOP/s (was 262), full 298 (was 257). Round 10 (tune_round10.json),
         # with a mask, n4096 / n8192: dQ through TMA, backward 272 / 293 -> 290 / 310 (on the varlen mix of
-        # scripts/tune_varlen.py 1% slower). The forward stays at 4 warps: 8 gained 2-3% on dense causal rows but
+        # scripts/tune_varlen.py within +-3%). The forward stays at 4 warps: 8 gained 2-3% on dense causal rows but
         # lost 36% on varlen batches, whose loads keep their bounds masks.
         cfg = KernelConfigs(
             fwd=LaunchConfig(128, 64, num_warps=4, num_stages=3, blocks_fastest=True),
