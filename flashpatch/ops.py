@@ -117,6 +117,14 @@ def _even(enabled: bool, varlen: bool, headdim: int, *length_and_tile: int) -> b
             and all(length % tile == 0 for length, tile in pairs))
 
 
+def _aligned(varlen: bool, headdim: int, max_seqlen_q: int, max_seqlen_k: int) -> bool:
+    """Dense, a power-of-two head dim, and lengths that every tile in config.py divides (all tiles are powers of
+    two up to ALIGN): then no launch keeps bounds masks in its loads, and config.py picks the tiles for that case."""
+    align = kernel_config.ALIGN
+    return (not varlen and headdim == triton.next_power_of_2(headdim)
+            and max_seqlen_q % align == 0 and max_seqlen_k % align == 0)
+
+
 def batch_size(q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]) -> int:
     return cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else q.shape[0]
 
@@ -147,7 +155,8 @@ def attn_fwd(
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    cfgs = kernel_config.configs_for(headdim, q.is_cuda, window_left >= 0 or window_right >= 0, dropout_p > 0)
+    cfgs = kernel_config.configs_for(headdim, q.is_cuda, window_left >= 0 or window_right >= 0, dropout_p > 0,
+                                     _aligned(varlen, headdim, max_seqlen_q, max_seqlen_k))
     cfg = cfgs.fwd
     tma = cfg.tma and tma_usable(headdim, q, k, v, out)
     if tma:
@@ -212,7 +221,8 @@ def attn_bwd(
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    cfgs = kernel_config.configs_for(headdim, q.is_cuda, window_left >= 0 or window_right >= 0, dropout_p > 0)
+    cfgs = kernel_config.configs_for(headdim, q.is_cuda, window_left >= 0 or window_right >= 0, dropout_p > 0,
+                                     _aligned(varlen, headdim, max_seqlen_q, max_seqlen_k))
     qk_scale, cap_log2 = _scales(softmax_scale, softcap)
     flags = _common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype)
     block_d = triton.next_power_of_2(headdim)

@@ -68,7 +68,7 @@ def main():
         [("fp16", 128), ("bf16", 128), ("bf16", 64)], [False, True], [False, True], [False, True], [False, True],
         [False, True]
     ):
-        cfgs = kernel_config.configs_for(headdim, True, masked=left or right, dropout=dropout)
+        cfgs = kernel_config.configs_for(headdim, True, masked=left or right, dropout=dropout, aligned=not varlen)
         flags = dict(IS_VARLEN=varlen, HAS_LEFT=left, HAS_RIGHT=right, SOFTCAP=softcap, DROPOUT=dropout,
                      DOT_PRECISION="tf32", HEADDIM=headdim, BLOCK_D=headdim)
         for fn, cfg, extra in (

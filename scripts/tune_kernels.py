@@ -21,36 +21,23 @@ import flashpatch  # noqa: E402
 from flashpatch.kernels import config as kc  # noqa: E402
 from flashpatch.kernels.config import LaunchConfig as L  # noqa: E402
 
-# Round 10: with unmasked loads (round 8) in place, the causal tiles again: TMA, grid order and narrower dK/dV
-# tiles were last timed with a mask before round 8. Earlier rounds: docs/results/h200/tune_round{1..9}.json
-# (1-3: tiles; 4: TMA descriptors, warp specialization, TMA atomic dQ; 5: grid order; 6: matmul operands held in
-# registers; 7: one-warpgroup dK/dV tiles; 8: loads without bounds masks; 9: dropout tiles; the code for warp
-# specialization and register operands was removed after those rounds). Each entry: (name, function of the
-# current KernelConfigs giving the fields to override).
-FWD = {
-    128: [("current", lambda c: {}),
-          ("fwd 128x128 w8 s3", lambda c: dict(fwd=replace(c.fwd, block_n=128))),
-          ("fwd TMA", lambda c: dict(fwd=replace(c.fwd, tma=True))),
-          ("fwd 128x64 w8 s4", lambda c: dict(fwd=replace(c.fwd, num_stages=4)))],
-    64: [("current", lambda c: {}),
-         ("fwd 128x128 w4 s2", lambda c: dict(fwd=replace(c.fwd, block_n=128, num_stages=2))),
-         ("fwd TMA", lambda c: dict(fwd=replace(c.fwd, tma=True))),
-         ("fwd 128x64 w8 s3", lambda c: dict(fwd=replace(c.fwd, num_warps=8)))],
-}
+# Round 11: Flex's backward tile for d128 (64 queries x 128 keys per dK/dV program, 8 warps, 3 stages; PyTorch's
+# sm90 FlexAttention default) in our dK/dV kernel, with pointer and TMA loads and both grid orders. Earlier rounds:
+# docs/results/h200/tune_round{1..10}.json (1-3: tiles; 4: TMA descriptors, warp specialization, TMA atomic dQ;
+# 5: grid order; 6: matmul operands held in registers; 7: one-warpgroup dK/dV tiles; 8: loads without bounds
+# masks; 9: dropout tiles; 10: causal tiles after round 8; the code for warp specialization and register operands
+# was removed after those rounds). Each entry: (name, function of the current KernelConfigs giving the fields to
+# override).
+FWD = {128: [("current", lambda c: {})]}
 BWD = {
     128: [("current", lambda c: {}),
-          ("dkdv 32x64 w4 s3 TMA", lambda c: dict(bwd_dkdv=L(32, 64, 4, 3, c.bwd_dkdv.blocks_fastest, True))),
-          ("dkdv 32x64 w4 s3 TMA, blocks first", lambda c: dict(bwd_dkdv=L(32, 64, 4, 3, True, True))),
-          ("dkdv TMA", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, tma=True))),
-          ("dq TMA", lambda c: dict(bwd_dq=replace(c.bwd_dq, tma=True))),
-          ("dkdv 64x64 w4 s3 TMA", lambda c: dict(bwd_dkdv=L(64, 64, 4, 3, c.bwd_dkdv.blocks_fastest, True))),
-          ("dkdv 64x128 w8 s2 TMA", lambda c: dict(bwd_dkdv=L(64, 128, 8, 2, c.bwd_dkdv.blocks_fastest, True)))],
-    64: [("current", lambda c: {}),
-         ("dkdv TMA", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, tma=True))),
-         ("dq TMA", lambda c: dict(bwd_dq=replace(c.bwd_dq, tma=True))),
-         ("dkdv 64x64 w4 s3", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_m=64, block_n=64, num_stages=3))),
-         ("dkdv 32x64 w4 s3", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_n=64, num_stages=3))),
-         ("dkdv 64x128 w8 s3", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_m=64, num_warps=8, num_stages=3)))],
+          ("dkdv 64x128 w8 s3", lambda c: dict(bwd_dkdv=L(64, 128, 8, 3, c.bwd_dkdv.blocks_fastest, False))),
+          ("dkdv 64x128 w8 s3 TMA", lambda c: dict(bwd_dkdv=L(64, 128, 8, 3, c.bwd_dkdv.blocks_fastest, True))),
+          ("dkdv 64x128 w8 s3 TMA, blocks first", lambda c: dict(bwd_dkdv=L(64, 128, 8, 3, True, True))),
+          ("dkdv 64x128 w8 s2", lambda c: dict(bwd_dkdv=L(64, 128, 8, 2, c.bwd_dkdv.blocks_fastest, False))),
+          ("Flex grid: both blocks first, 64x128 s3",
+           lambda c: dict(bwd_dkdv=L(64, 128, 8, 3, True, False), bwd_dq=replace(c.bwd_dq, blocks_fastest=True))),
+          ("dkdv 32x128 w8 s3 TMA", lambda c: dict(bwd_dkdv=L(32, 128, 8, 3, c.bwd_dkdv.blocks_fastest, True)))],
 }
 
 # Round 9 (--dropout P): attention dropout at d128, whose tiles were never tuned on their own. The forward draws
@@ -66,6 +53,7 @@ DROPOUT_FWD = [
 DROPOUT_BWD = [
     ("current", lambda c: {}),
     ("dq pointers", lambda c: dict(bwd_dq=replace(c.bwd_dq, tma=False))),
+    ("dkdv 32x128 w8 s3 (before round 11)", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_m=32))),
     ("atomic dQ", lambda c: dict(atomic_dq=True)),
     ("atomic dQ, TMA", lambda c: dict(atomic_dq=True, bwd_dkdv=replace(c.bwd_dkdv, tma=True))),
     ("dkdv 32x64 w4 s3 TMA", lambda c: dict(bwd_dkdv=L(32, 64, 4, 3, c.bwd_dkdv.blocks_fastest, True))),
@@ -123,7 +111,7 @@ def main():
                 dout = torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16)
                 want = None
                 for name, make_fields in fwd_grid[headdim]:
-                    fields = make_fields(kc.configs_for(headdim, True, masked=causal, dropout=p > 0))
+                    fields = make_fields(kc.configs_for(headdim, True, masked=causal, dropout=p > 0, aligned=True))
                     with kc.override(**fields):
                         ms = bench(attend)
                         err = float("nan")
@@ -136,7 +124,7 @@ def main():
                 out = attend()
                 want = None
                 for name, make_fields in bwd_grid[headdim]:
-                    fields = make_fields(kc.configs_for(headdim, True, masked=causal, dropout=p > 0))
+                    fields = make_fields(kc.configs_for(headdim, True, masked=causal, dropout=p > 0, aligned=True))
                     with kc.override(**fields):
                         ms = bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
                         err = float("nan")

@@ -28,6 +28,8 @@ VARIANTS = [
     ("fwd 4 warps", lambda c: dict(fwd=replace(c.fwd, num_warps=4))),
     ("dq TMA", lambda c: dict(bwd_dq=replace(c.bwd_dq, tma=True))),
     ("dq pointers", lambda c: dict(bwd_dq=replace(c.bwd_dq, tma=False))),
+    ("dkdv 32x128 w8 s3", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_m=32, block_n=128, num_warps=8))),
+    ("dkdv 64x128 w8 s3", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_m=64, block_n=128, num_warps=8))),
 ]
 
 

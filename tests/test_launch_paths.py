@@ -76,6 +76,17 @@ def test_tma_only_where_the_layout_allows(tma_capable):
     assert not ops.tma_usable(64, torch.randn(2, 16, 4, 65, dtype=torch.float16)[..., :64])  # row stride 130 B
 
 
+def test_aligned_tiles_only_for_dense_rows_every_tile_divides():
+    # config.py may pick different tiles for aligned launches (no bounds masks in any load); anything ragged keeps
+    # the tiles measured with masks.
+    assert ops._aligned(False, 128, 4096, 8192)
+    assert ops._aligned(False, 64, 128, 128)
+    assert not ops._aligned(True, 128, 4096, 4096)  # varlen: sequences end anywhere
+    assert not ops._aligned(False, 96, 4096, 4096)  # padded head-dim columns
+    assert not ops._aligned(False, 128, 4096, 4032)  # 4032 = 63 * 64: a 128-key tile would overhang
+    assert not ops._aligned(False, 128, 1000, 4096)
+
+
 def test_tma_unavailable_on_cpu_tensors():
     assert not ops.tma_usable(64, torch.randn(2, 16, 4, 64, dtype=torch.float16))
 

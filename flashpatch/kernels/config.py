@@ -32,14 +32,18 @@ class KernelConfigs:
 
 
 _OVERRIDE: dict = {}
+ALIGN = 128  # every block size below is a power of two up to this (ops._aligned)
 
 
-def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool = False) -> KernelConfigs:
+def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool = False,
+                aligned: bool = False) -> KernelConfigs:
     """Launch settings measured by scripts/tune_kernels.py on an H200 (bf16, B*N = 16k, H*D = 2048; NOTES.md and
     docs/results/h200/tune_round*.json). `masked`: causal or windowed, where the forward prefers narrower key tiles
     (less work wasted on the diagonal) and the d64 dK/dV kernel a deeper pipeline. `dropout`: the forward keeps the
     narrow key tile too, since interleaving the Philox outputs into the score tile takes a shared-memory buffer, and
     at d128 with 128-wide key tiles and 3 stages that asked for 240 KB, over the H100/H200 limit of 227 KB.
+    `aligned` (ops._aligned): dense rows whose lengths every tile divides, so the loads carry no bounds masks
+    (v10); two tiles win only then and lose on varlen batches (scripts/tune_varlen.py, NOTES.md v12-v13).
 
     The separate dQ pass beat atomic dQ in every measured case (e.g. d128 n8192 causal: 253 vs 232 TFLOP/s
     backward; round 4: 290 vs 246 with TMA bulk reduce-add), so it is the default, which also makes the backward
@@ -63,10 +67,10 @@ def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool
     elif block_d <= 64:
         # Round 3, n8192 backward: causal 270 TFLOP/s (was 262), full 298 (was 257). Round 10 (tune_round10.json),
         # with a mask, n4096 / n8192: dQ through TMA, backward 272 / 293 -> 290 / 310 (on the varlen mix of
-        # scripts/tune_varlen.py within +-3%). The forward stays at 4 warps: 8 gained 2-3% on dense causal rows but
-        # lost 36% on varlen batches, whose loads keep their bounds masks.
+        # scripts/tune_varlen.py within +-3%); the forward with 8 warps, 362 / 382 -> 374 / 390, but only when
+        # aligned: on varlen batches, whose loads keep their bounds masks, 8 warps lose 36% (1.84 -> 2.49 ms).
         cfg = KernelConfigs(
-            fwd=LaunchConfig(128, 64, num_warps=4, num_stages=3, blocks_fastest=True),
+            fwd=LaunchConfig(128, 64, num_warps=8 if masked and aligned else 4, num_stages=3, blocks_fastest=True),
             bwd_dkdv=LaunchConfig(32, 128, num_warps=4, num_stages=3 if masked else 2,
                                   blocks_fastest=bwd_blocks_fastest),
             bwd_dq=LaunchConfig(128, 64, num_warps=4, num_stages=3, blocks_fastest=bwd_blocks_fastest, tma=masked),
@@ -74,10 +78,13 @@ def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool
         )
     elif block_d <= 128 and masked:
         # Round 3, n8192 backward: causal 288 TFLOP/s (was 257). Round 10: dQ through TMA, 295 / 321 -> 299 / 324
-        # (n4096 / n8192; within noise, kept as it never lost).
+        # (n4096 / n8192; within noise, kept as it never lost). Round 11 (tune_round11.json): FlexAttention's sm90
+        # dK/dV tile, 64 queries x 128 keys, 8 warps, 3 stages, pointer loads: 294 / 318 -> 324 / 355 when
+        # aligned. It spilled here before the unmasked loads of round 8 (v10), and with bounds masks it still
+        # loses (varlen mix: backward 6.24 -> 7.57 ms), as it does without a causal mask (376 -> 352).
         cfg = KernelConfigs(
             fwd=LaunchConfig(128, 64, num_warps=8, num_stages=3, blocks_fastest=True),
-            bwd_dkdv=LaunchConfig(32, 128, num_warps=8, num_stages=3),
+            bwd_dkdv=LaunchConfig(64 if aligned else 32, 128, num_warps=8, num_stages=3),
             bwd_dq=LaunchConfig(128, 64, num_warps=8, num_stages=3, tma=True),
             atomic_dq=False,
         )
