@@ -21,24 +21,30 @@ import flashpatch  # noqa: E402
 from flashpatch.kernels import config as kc  # noqa: E402
 from flashpatch.kernels.config import LaunchConfig as L  # noqa: E402
 
-# Round 12: Flex's d128 backward tile (round 11: 64 queries x 128 keys per dK/dV program, 8 warps, 3 stages; the
-# default with a causal mask since then) without a mask: grid orders and stages. Earlier rounds:
-# docs/results/h200/tune_round{1..11}.json (1-3: tiles; 4: TMA descriptors, warp specialization, TMA atomic dQ;
+# Round 13 (--seqlens 1024,2048): d64 at the short lengths of the 1B training recipe (seq 1024), where the
+# per-program prologue and epilogue weigh more than at the 4k-16k of earlier rounds. Earlier rounds:
+# docs/results/h200/tune_round{1..12}.json (1-3: tiles; 4: TMA descriptors, warp specialization, TMA atomic dQ;
 # 5: grid order; 6: matmul operands held in registers; 7: one-warpgroup dK/dV tiles; 8: loads without bounds
-# masks; 9: dropout tiles; 10: causal tiles after round 8; 11: Flex's dK/dV tile; the code for warp
-# specialization and register operands was removed after those rounds). Each entry: (name, function of the current
-# KernelConfigs giving the fields to override).
-FWD = {128: [("current", lambda c: {})]}
+# masks; 9: dropout tiles; 10: causal tiles after round 8; 11: Flex's dK/dV tile; 12: that tile without a mask;
+# the code for warp specialization and register operands was removed after those rounds). Each entry: (name,
+# function of the current KernelConfigs giving the fields to override).
+FWD = {
+    64: [("current", lambda c: {}),
+         ("fwd 4 warps", lambda c: dict(fwd=replace(c.fwd, num_warps=4))),
+         ("fwd 8 warps", lambda c: dict(fwd=replace(c.fwd, num_warps=8))),
+         ("fwd 64x64 w4 s3", lambda c: dict(fwd=replace(c.fwd, block_m=64, num_warps=4))),
+         ("fwd 128x128 w8 s2", lambda c: dict(fwd=replace(c.fwd, block_n=128, num_warps=8, num_stages=2)))],
+}
 BWD = {
-    128: [("current", lambda c: {}),
-          ("dkdv 64x128 w8 s3", lambda c: dict(bwd_dkdv=L(64, 128, 8, 3, c.bwd_dkdv.blocks_fastest, False))),
-          ("dkdv 64x128 w8 s3, heads first", lambda c: dict(bwd_dkdv=L(64, 128, 8, 3, False, False))),
-          ("dkdv 64x128 w8 s3, blocks first", lambda c: dict(bwd_dkdv=L(64, 128, 8, 3, True, False))),
-          ("dkdv 32x64 w4 s3 TMA, heads first", lambda c: dict(bwd_dkdv=L(32, 64, 4, 3, False, True))),
-          ("dkdv 64x128 w8 s3, dq heads first",
-           lambda c: dict(bwd_dkdv=L(64, 128, 8, 3, False, False), bwd_dq=replace(c.bwd_dq, blocks_fastest=False))),
-          ("dkdv 64x128 w8 s4", lambda c: dict(bwd_dkdv=L(64, 128, 8, 4, c.bwd_dkdv.blocks_fastest, False))),
-          ("dkdv 64x128 w8 s2", lambda c: dict(bwd_dkdv=L(64, 128, 8, 2, c.bwd_dkdv.blocks_fastest, False)))],
+    64: [("current", lambda c: {}),
+         ("dkdv 32x64 w4 s3", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_n=64, num_stages=3))),
+         ("dkdv 64x64 w4 s3", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_m=64, block_n=64, num_stages=3))),
+         ("dkdv 32x128 w8 s3", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, num_warps=8, num_stages=3))),
+         ("dq 64x64 w4 s3", lambda c: dict(bwd_dq=replace(c.bwd_dq, block_m=64))),
+         ("both blocks first", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, blocks_fastest=True),
+                                              bwd_dq=replace(c.bwd_dq, blocks_fastest=True))),
+         ("both heads first", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, blocks_fastest=False),
+                                             bwd_dq=replace(c.bwd_dq, blocks_fastest=False)))],
 }
 
 # Round 9 (--dropout P): attention dropout at d128, whose tiles were never tuned on their own. The forward draws

@@ -71,8 +71,11 @@ def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool
         # aligned: on varlen batches, whose loads keep their bounds masks, 8 warps lose 36% (1.84 -> 2.49 ms).
         cfg = KernelConfigs(
             fwd=LaunchConfig(128, 64, num_warps=8 if masked and aligned else 4, num_stages=3, blocks_fastest=True),
-            bwd_dkdv=LaunchConfig(32, 128, num_warps=4, num_stages=3 if masked else 2,
-                                  blocks_fastest=bwd_blocks_fastest),
+            # Without a mask, aligned: 32 x 64 dK/dV tiles, 3 stages (rounds 10 and 13, backward at n1024 / 2048 /
+            # 4096 / 8192: 281 / 312 / 333 / 343 -> 319 / 329 / 360 / 344).
+            bwd_dkdv=(LaunchConfig(32, 64, num_warps=4, num_stages=3, blocks_fastest=True) if aligned and not masked
+                      else LaunchConfig(32, 128, num_warps=4, num_stages=3 if masked else 2,
+                                        blocks_fastest=bwd_blocks_fastest)),
             bwd_dq=LaunchConfig(128, 64, num_warps=4, num_stages=3, blocks_fastest=bwd_blocks_fastest, tma=masked),
             atomic_dq=False,
         )
