@@ -43,7 +43,7 @@ def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool
     narrow key tile too, since interleaving the Philox outputs into the score tile takes a shared-memory buffer, and
     at d128 with 128-wide key tiles and 3 stages that asked for 240 KB, over the H100/H200 limit of 227 KB.
     `aligned` (ops._aligned): dense rows whose lengths every tile divides, so the loads carry no bounds masks
-    (v10); two tiles win only then and lose on varlen batches (scripts/tune_varlen.py, NOTES.md v12-v13).
+    (v10); some tiles win only then and lose on varlen batches (scripts/tune_varlen.py, NOTES.md v12-v15).
 
     The separate dQ pass beat atomic dQ in every measured case (e.g. d128 n8192 causal: 253 vs 232 TFLOP/s
     backward; round 4: 290 vs 246 with TMA bulk reduce-add), so it is the default, which also makes the backward
