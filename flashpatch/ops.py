@@ -118,11 +118,10 @@ def _even(enabled: bool, varlen: bool, headdim: int, *length_and_tile: int) -> b
 
 
 def _aligned(varlen: bool, headdim: int, max_seqlen_q: int, max_seqlen_k: int) -> bool:
-    """Dense, a power-of-two head dim, and lengths that every tile in config.py divides (all tiles are powers of
-    two up to ALIGN): then no launch keeps bounds masks in its loads, and config.py picks the tiles for that case."""
+    """_even for every tile config.py may choose (all are powers of two up to ALIGN): then no launch keeps bounds
+    masks in its loads, and config.py picks the tiles measured for that case."""
     align = kernel_config.ALIGN
-    return (not varlen and headdim == triton.next_power_of_2(headdim)
-            and max_seqlen_q % align == 0 and max_seqlen_k % align == 0)
+    return _even(True, varlen, headdim, max_seqlen_q, align, max_seqlen_k, align)
 
 
 def batch_size(q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]) -> int:
