@@ -155,7 +155,8 @@ def attn_fwd(
     if out.numel() == 0:
         return out, lse
     cfgs = kernel_config.configs_for(headdim, q.is_cuda, window_left >= 0 or window_right >= 0, dropout_p > 0,
-                                     _aligned(varlen, headdim, max_seqlen_q, max_seqlen_k))
+                                     _aligned(varlen, headdim, max_seqlen_q, max_seqlen_k),
+                                     max_seqlen_q <= kernel_config.SHORT)
     cfg = cfgs.fwd
     tma = cfg.tma and tma_usable(headdim, q, k, v, out)
     if tma:
@@ -221,7 +222,8 @@ def attn_bwd(
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     cfgs = kernel_config.configs_for(headdim, q.is_cuda, window_left >= 0 or window_right >= 0, dropout_p > 0,
-                                     _aligned(varlen, headdim, max_seqlen_q, max_seqlen_k))
+                                     _aligned(varlen, headdim, max_seqlen_q, max_seqlen_k),
+                                     max_seqlen_q <= kernel_config.SHORT)
     qk_scale, cap_log2 = _scales(softmax_scale, softcap)
     flags = _common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype)
     block_d = triton.next_power_of_2(headdim)

@@ -81,6 +81,13 @@ def main():
                       "BLOCKS_FASTEST": cfg.blocks_fastest, "EVEN": not varlen}
             compile_one(fn, dtype, {**flags, **extra, **launch}, args.arch, cfg.num_warps, cfg.num_stages)
             n += 1
+        short = kernel_config.configs_for(headdim, True, masked=left or right, dropout=dropout, aligned=not varlen,
+                                          short=True).fwd
+        if short != cfgs.fwd:  # the forward tile for at most SHORT queries, where it differs
+            launch = {"BLOCK_M": short.block_m, "BLOCK_N": short.block_n, "TMA": short.tma,
+                      "BLOCKS_FASTEST": short.blocks_fastest, "EVEN": not varlen}
+            compile_one(attn_fwd_kernel, dtype, {**flags, **launch}, args.arch, short.num_warps, short.num_stages)
+            n += 1
     compile_one(attn_bwd_preprocess_kernel, "bf16",
                 {"HEADDIM": 80, "BLOCK_D": 128, "BLOCK_M": 128, "IS_VARLEN": True}, args.arch)
     fp32 = dict(IS_VARLEN=False, HAS_LEFT=True, HAS_RIGHT=True, SOFTCAP=True, DROPOUT=True, DOT_PRECISION="ieee",

@@ -33,10 +33,11 @@ class KernelConfigs:
 
 _OVERRIDE: dict = {}
 ALIGN = 128  # every block size below is a power of two up to this (ops._aligned)
+SHORT = 1024  # query lengths up to this count as short (configs_for's `short`)
 
 
 def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool = False,
-                aligned: bool = False) -> KernelConfigs:
+                aligned: bool = False, short: bool = False) -> KernelConfigs:
     """Launch settings measured by scripts/tune_kernels.py on an H200 (bf16, B*N = 16k, H*D = 2048; NOTES.md and
     docs/results/h200/tune_round*.json). `masked`: causal or windowed, where the forward prefers narrower key tiles
     (less work wasted on the diagonal) and the d64 dK/dV kernel a deeper pipeline. `dropout`: the forward keeps the
@@ -44,6 +45,7 @@ def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool
     at d128 with 128-wide key tiles and 3 stages that asked for 240 KB, over the H100/H200 limit of 227 KB.
     `aligned` (ops._aligned): dense rows whose lengths every tile divides, so the loads carry no bounds masks
     (v10); some tiles win only then and lose on varlen batches (scripts/tune_varlen.py, NOTES.md v12-v15).
+    `short`: at most SHORT queries, where a grid of 128-row tiles leaves too few programs to fill the SMs evenly.
 
     The separate dQ pass beat atomic dQ in every measured case (e.g. d128 n8192 causal: 253 vs 232 TFLOP/s
     backward; round 4: 290 vs 246 with TMA bulk reduce-add), so it is the default, which also makes the backward
@@ -85,8 +87,14 @@ def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool
         # dK/dV tile, 64 queries x 128 keys, 8 warps, 3 stages, pointer loads: 294 / 318 -> 324 / 355 when
         # aligned. It spilled here before the unmasked loads of round 8 (v10), and with bounds masks it still
         # loses (varlen mix: backward 6.24 -> 7.57 ms), as it does without a causal mask (376 -> 352).
+        # Round 14 (kernel_time_round14.log, GPU kernel time): at the 1B training recipe's shape (batch 8, 16
+        # query / 4 K/V heads, n1024, causal) the forward with 64 x 64 tiles and 4 warps takes 0.119 ms against
+        # 0.129 (twice the programs for 132 SMs); at n4096 it loses (tune_round14.log: 416 -> 400 TFLOP/s), so
+        # it is kept to short, aligned rows.
+        short_fwd = short and aligned and not dropout
         cfg = KernelConfigs(
-            fwd=LaunchConfig(128, 64, num_warps=8, num_stages=3, blocks_fastest=True),
+            fwd=(LaunchConfig(64, 64, num_warps=4, num_stages=3, blocks_fastest=True) if short_fwd
+                 else LaunchConfig(128, 64, num_warps=8, num_stages=3, blocks_fastest=True)),
             bwd_dkdv=LaunchConfig(64 if aligned else 32, 128, num_warps=8, num_stages=3),
             bwd_dq=LaunchConfig(128, 64, num_warps=8, num_stages=3, tma=True),
             atomic_dq=False,
