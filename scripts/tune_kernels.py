@@ -1,10 +1,11 @@
 """Time flashpatch's launch configurations against each other on the GPU (one run, medians of do_bench).
 
-    python scripts/tune_kernels.py [--out DIR]
+    python scripts/tune_kernels.py [--out DIR] [--headdim 64] [--seqlens 8192] [--heads H --kv-heads HK]
+                                   [--batch B] [--masks causal,full] [--dropout P]
 
-Dense bf16, B*N = 16k tokens, H*D = 2048, causal and full. Forward configs and backward configs (dK/dV tile,
-dQ tile, atomic dQ or a separate dQ pass) are timed separately; the winners go into flashpatch/kernels/config.py
-by hand, with the numbers in NOTES.md.
+Dense bf16, by default B*N = 16k tokens, H*D = 2048, causal and full. Forward configs and backward configs
+(dK/dV tile, dQ tile, atomic dQ or a separate dQ pass) are timed separately; the winners
+go into flashpatch/kernels/config.py by hand, with the numbers in NOTES.md.
 """
 
 import argparse
@@ -21,6 +22,11 @@ import flashpatch  # noqa: E402
 from flashpatch.kernels import config as kc  # noqa: E402
 from flashpatch.kernels.config import LaunchConfig as L  # noqa: E402
 
+# Round 14 (--headdim 128; at issue 7's lengths and at the 1B training recipe's shape: --heads 16 --kv-heads 4
+# --batch 8 --seqlens 1024 --masks causal). At that shape the kernels take ~0.1 ms and do_bench times the host's
+# launch overhead too (one config measured 154 and 289 TFLOP/s in one run): use scripts/kernel_time_variants.py
+# there, which times GPU kernels with the profiler. Round 14 also timed a fused backward launch (dK/dV and dQ
+# programs on one 1-D grid), which lost everywhere and was removed (NOTES.md, v16).
 # Round 13 (--seqlens 1024,2048): d64 at the short lengths of the 1B training recipe (seq 1024), where the
 # per-program prologue and epilogue weigh more than at the 4k-16k of earlier rounds. Earlier rounds:
 # docs/results/h200/tune_round{1..12}.json (1-3: tiles; 4: TMA descriptors, warp specialization, TMA atomic dQ;
@@ -34,6 +40,10 @@ FWD = {
          ("fwd 8 warps", lambda c: dict(fwd=replace(c.fwd, num_warps=8))),
          ("fwd 64x64 w4 s3", lambda c: dict(fwd=replace(c.fwd, block_m=64, num_warps=4))),
          ("fwd 128x128 w8 s2", lambda c: dict(fwd=replace(c.fwd, block_n=128, num_warps=8, num_stages=2)))],
+    128: [("current", lambda c: {}),
+          ("fwd 128x128 w8 s2", lambda c: dict(fwd=replace(c.fwd, block_n=128, num_stages=2))),
+          ("fwd 128x64 w4 s3", lambda c: dict(fwd=replace(c.fwd, block_n=64, num_warps=4))),
+          ("fwd 64x64 w4 s3", lambda c: dict(fwd=replace(c.fwd, block_m=64, block_n=64, num_warps=4)))],
 }
 BWD = {
     64: [("current", lambda c: {}),
@@ -45,6 +55,17 @@ BWD = {
                                               bwd_dq=replace(c.bwd_dq, blocks_fastest=True))),
          ("both heads first", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, blocks_fastest=False),
                                              bwd_dq=replace(c.bwd_dq, blocks_fastest=False)))],
+    128: [("current", lambda c: {}),
+          ("dkdv 32x128 w8 s3", lambda c: dict(bwd_dkdv=L(32, 128, 8, 3, c.bwd_dkdv.blocks_fastest))),
+          ("dkdv 64x64 w4 s3 TMA", lambda c: dict(bwd_dkdv=L(64, 64, 4, 3, c.bwd_dkdv.blocks_fastest, True))),
+          ("dkdv 32x64 w4 s3 TMA", lambda c: dict(bwd_dkdv=L(32, 64, 4, 3, c.bwd_dkdv.blocks_fastest, True))),
+          ("dkdv blocks first", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, blocks_fastest=True))),
+          ("dkdv 2 stages", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, num_stages=2))),
+          ("dkdv 4 stages", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, num_stages=4))),
+          ("dq 64x64 w4 s3 TMA", lambda c: dict(bwd_dq=L(64, 64, 4, 3, c.bwd_dq.blocks_fastest, True))),
+          ("dq 64x128 w8 s2 TMA", lambda c: dict(bwd_dq=L(64, 128, 8, 2, c.bwd_dq.blocks_fastest, True))),
+          ("atomic dQ", lambda c: dict(atomic_dq=True)),
+          ("current, again", lambda c: {})],  # drift within the run
 }
 
 # Round 9 (--dropout P): attention dropout at d128, whose tiles were never tuned on their own. The forward draws
@@ -97,28 +118,36 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="runs/tune")
     parser.add_argument("--seqlens", default="8192")
+    parser.add_argument("--headdim", type=int, default=64, choices=sorted(FWD))
+    parser.add_argument("--heads", type=int, default=None, help="query heads (default 2048 / headdim)")
+    parser.add_argument("--kv-heads", type=int, default=None, help="K/V heads (default: --heads)")
+    parser.add_argument("--batch", type=int, default=None, help="default 16384 / seqlen")
+    parser.add_argument("--masks", default="causal,full")
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout_p: time round 9's dropout grid at d128")
     args = parser.parse_args()
     p = args.dropout
-    fwd_grid = {128: DROPOUT_FWD} if p else FWD
-    bwd_grid = {128: DROPOUT_BWD} if p else BWD
+    fwd_grid = {128: DROPOUT_FWD} if p else {args.headdim: FWD[args.headdim]}
+    bwd_grid = {128: DROPOUT_BWD} if p else {args.headdim: BWD[args.headdim]}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for headdim in fwd_grid:
-        nheads = 2048 // headdim
+        nheads = args.heads or 2048 // headdim
+        nheads_k = args.kv_heads or nheads
         for seqlen in (int(s) for s in args.seqlens.split(",")):
-            batch = 16384 // seqlen
-            for causal in (True, False):
-                q, k, v = (torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16,
-                                       requires_grad=True) for _ in range(3))
+            batch = args.batch or 16384 // seqlen
+            for causal in (m == "causal" for m in args.masks.split(",")):
+                q, k, v = (torch.randn(batch, seqlen, h, headdim, device="cuda", dtype=torch.bfloat16,
+                                       requires_grad=True) for h in (nheads, nheads_k, nheads_k))
                 flops = 4 * batch * nheads * seqlen * seqlen * headdim / (2 if causal else 1)
-                tag = f"d{headdim} n{seqlen} {'causal' if causal else 'full'}" + (f" p{p}" if p else "")
+                tag = (f"d{headdim} n{seqlen} {'causal' if causal else 'full'}" + (f" p{p}" if p else "")
+                       + (f" b{batch} h{nheads}:{nheads_k}" if (args.heads or args.batch) else ""))
                 attend = lambda: flashpatch.flash_attn_func(q, k, v, dropout_p=p, causal=causal)  # noqa: E731
-                dout = torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16)
+                dout = torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16)  # (B, S, H, D)
                 want = None
                 for name, make_fields in fwd_grid[headdim]:
-                    fields = make_fields(kc.configs_for(headdim, True, masked=causal, dropout=p > 0, aligned=True))
+                    fields = make_fields(kc.configs_for(headdim, True, masked=causal, dropout=p > 0, aligned=True,
+                                                       short=seqlen <= kc.SHORT))
                     with kc.override(**fields):
                         ms = bench(attend)
                         err = float("nan")
@@ -131,7 +160,8 @@ def main():
                 out = attend()
                 want = None
                 for name, make_fields in bwd_grid[headdim]:
-                    fields = make_fields(kc.configs_for(headdim, True, masked=causal, dropout=p > 0, aligned=True))
+                    fields = make_fields(kc.configs_for(headdim, True, masked=causal, dropout=p > 0, aligned=True,
+                                                       short=seqlen <= kc.SHORT))
                     with kc.override(**fields):
                         ms = bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
                         err = float("nan")

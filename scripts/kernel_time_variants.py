@@ -1,0 +1,68 @@
+"""GPU kernel time (torch profiler, not wall clock) of launch variants at one shape: for shapes whose kernels are
+short enough that do_bench's timing includes host launch overhead (the 1B recipe's attention: ~0.1 ms kernels).
+
+    python scripts/kernel_time_variants.py [--seqlen 1024 --batch 8 --heads 16 --kv-heads 4 --headdim 128]
+"""
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import flashpatch  # noqa: E402
+from flashpatch.kernels import config as kc  # noqa: E402
+from flashpatch.kernels.config import LaunchConfig as L  # noqa: E402
+from profile_kernels import kernel_times  # noqa: E402
+
+VARIANTS = [
+    ("current", lambda c: {}),
+    ("fwd 128x64 w8 s3", lambda c: dict(fwd=L(128, 64, 8, 3, True))),
+    ("fwd 64x64 w4 s3", lambda c: dict(fwd=L(64, 64, 4, 3, True))),
+    ("fwd 128x64 w4 s3", lambda c: dict(fwd=L(128, 64, 4, 3, True))),
+    ("dkdv 2 stages", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, num_stages=2))),
+    ("dkdv 4 stages", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, num_stages=4))),
+    ("dkdv 32x128 w8 s3", lambda c: dict(bwd_dkdv=L(32, 128, 8, 3, c.bwd_dkdv.blocks_fastest))),
+    ("dkdv 64x64 w4 s3 TMA", lambda c: dict(bwd_dkdv=L(64, 64, 4, 3, c.bwd_dkdv.blocks_fastest, True))),
+    ("dkdv blocks first", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, blocks_fastest=True))),
+    ("dq 64x64 w4 s3 TMA", lambda c: dict(bwd_dq=L(64, 64, 4, 3, c.bwd_dq.blocks_fastest, True))),
+    ("current, again", lambda c: {}),
+]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seqlen", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--headdim", type=int, default=128)
+    args = parser.parse_args()
+    b, n, h, hk, d = args.batch, args.seqlen, args.heads, args.kv_heads, args.headdim
+    q, k, v = (torch.randn(b, n, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for heads in (h, hk, hk))  # (B, S, H, D)
+    dout = torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
+    fwd_flops = 4 * b * h * n * n * d / 2  # causal
+
+    def step():
+        out = flashpatch.flash_attn_func(q, k, v, causal=True)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    base = kc.configs_for(d, True, masked=True, aligned=True, short=n <= kc.SHORT)
+    print(f"d{d} N={n} B={b} H={h}:{hk} causal, GPU kernel ms per fwd+bwd (torch profiler, 20 steps)")
+    print("| variant | fwd | dK/dV | dQ | fwd+bwd | TFLOP/s |\n|---|---|---|---|---|---|")
+    for name, make_fields in VARIANTS:
+        with kc.override(**make_fields(base)):
+            times = dict(kernel_times(step, iters=20))
+        fwd = times.get("attn_fwd_kernel", float("nan"))
+        dkdv = times.get("attn_bwd_dkdv_kernel", float("nan"))
+        dq = times.get("attn_bwd_dq_kernel", float("nan"))
+        total = sum(t for key, t in times.items() if key.startswith("attn_"))
+        print(f"| {name} | {fwd:.3f} | {dkdv:.3f} | {dq:.3f} | {total:.3f} | {3.5 * fwd_flops / total * 1e-9:.0f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
