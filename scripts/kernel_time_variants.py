@@ -27,6 +27,9 @@ VARIANTS = [
     ("dkdv 32x128 w8 s3", lambda c: dict(bwd_dkdv=L(32, 128, 8, 3, c.bwd_dkdv.blocks_fastest))),
     ("dkdv 64x64 w4 s3 TMA", lambda c: dict(bwd_dkdv=L(64, 64, 4, 3, c.bwd_dkdv.blocks_fastest, True))),
     ("dkdv blocks first", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, blocks_fastest=True))),
+    # TMA tiles: no (D, BM) pointer tensors for Q and dO held across the GQA group loop
+    ("dkdv TMA", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, tma=True))),
+    ("dkdv 32x128 w8 s3 TMA", lambda c: dict(bwd_dkdv=L(32, 128, 8, 3, c.bwd_dkdv.blocks_fastest, True))),
     # 16 warps: the 64x128 tile's fp32 dK and dV accumulators over 512 threads instead of 256 (it spills at 8)
     ("dkdv 64x128 w16 s3", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, num_warps=16))),
     ("dkdv 64x128 w16 s2", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, num_warps=16, num_stages=2))),
