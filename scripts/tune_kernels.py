@@ -4,8 +4,8 @@
                                    [--batch B] [--masks causal,full] [--dropout P]
 
 Dense bf16, by default B*N = 16k tokens, H*D = 2048, causal and full. Forward configs and backward configs
-(dK/dV tile, dQ tile, atomic dQ or a separate dQ pass) are timed separately; the winners
-go into flashpatch/kernels/config.py by hand, with the numbers in NOTES.md.
+(dK/dV tile, dQ tile, atomic dQ or a separate dQ pass) are timed separately; the winners go into
+flashpatch/kernels/config.py by hand, with the numbers in NOTES.md.
 """
 
 import argparse
