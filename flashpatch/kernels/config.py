@@ -89,8 +89,8 @@ def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool
         # loses (varlen mix: backward 6.24 -> 7.57 ms), as it does without a causal mask (376 -> 352).
         # Round 14 (kernel_time_round14.log, GPU kernel time): at the 1B training recipe's shape (batch 8, 16
         # query / 4 K/V heads, n1024, causal) the forward with 64 x 64 tiles and 4 warps takes 0.119 ms against
-        # 0.129 (twice the programs for 132 SMs); at n4096 it loses (tune_round14.log: 416 -> 400 TFLOP/s), so
-        # it is kept to short, aligned rows.
+        # 0.129 (presumably as twice the programs spread better over 132 SMs); at n4096 it loses
+        # (tune_round14.log: 416 -> 400 TFLOP/s), so it is kept to short, aligned rows.
         short_fwd = short and aligned and not dropout
         cfg = KernelConfigs(
             fwd=(LaunchConfig(64, 64, num_warps=4, num_stages=3, blocks_fastest=True) if short_fwd
