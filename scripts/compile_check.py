@@ -71,8 +71,12 @@ def main():
         cfgs = kernel_config.configs_for(headdim, True, masked=left or right, dropout=dropout, aligned=not varlen)
         flags = dict(IS_VARLEN=varlen, HAS_LEFT=left, HAS_RIGHT=right, SOFTCAP=softcap, DROPOUT=dropout,
                      DOT_PRECISION="tf32", HEADDIM=headdim, BLOCK_D=headdim)
+        # the forward tile for at most SHORT queries, where it differs
+        short_fwd = kernel_config.configs_for(headdim, True, masked=left or right, dropout=dropout,
+                                              aligned=not varlen, short=True).fwd
         for fn, cfg, extra in (
             (attn_fwd_kernel, cfgs.fwd, {}),
+            *([(attn_fwd_kernel, short_fwd, {})] if short_fwd != cfgs.fwd else []),
             (attn_bwd_dq_kernel, cfgs.bwd_dq, {}),
             (attn_bwd_dkdv_kernel, cfgs.bwd_dkdv, {"ATOMIC_DQ": False}),
             (attn_bwd_dkdv_kernel, cfgs.bwd_dkdv, {"ATOMIC_DQ": True}),
@@ -80,13 +84,6 @@ def main():
             launch = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "TMA": cfg.tma,
                       "BLOCKS_FASTEST": cfg.blocks_fastest, "EVEN": not varlen}
             compile_one(fn, dtype, {**flags, **extra, **launch}, args.arch, cfg.num_warps, cfg.num_stages)
-            n += 1
-        short = kernel_config.configs_for(headdim, True, masked=left or right, dropout=dropout, aligned=not varlen,
-                                          short=True).fwd
-        if short != cfgs.fwd:  # the forward tile for at most SHORT queries, where it differs
-            launch = {"BLOCK_M": short.block_m, "BLOCK_N": short.block_n, "TMA": short.tma,
-                      "BLOCKS_FASTEST": short.blocks_fastest, "EVEN": not varlen}
-            compile_one(attn_fwd_kernel, dtype, {**flags, **launch}, args.arch, short.num_warps, short.num_stages)
             n += 1
     compile_one(attn_bwd_preprocess_kernel, "bf16",
                 {"HEADDIM": 80, "BLOCK_D": 128, "BLOCK_M": 128, "IS_VARLEN": True}, args.arch)

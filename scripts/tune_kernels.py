@@ -144,10 +144,12 @@ def main():
                        + (f" b{batch} h{nheads}:{nheads_k}" if (args.heads or args.batch) else ""))
                 attend = lambda: flashpatch.flash_attn_func(q, k, v, dropout_p=p, causal=causal)  # noqa: E731
                 dout = torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16)  # (B, S, H, D)
+                # what ops.py would pick for these dense rows, which every tuned tile divides
+                base = kc.configs_for(headdim, True, masked=causal, dropout=p > 0, aligned=True,
+                                      short=seqlen <= kc.SHORT)
                 want = None
                 for name, make_fields in fwd_grid[headdim]:
-                    fields = make_fields(kc.configs_for(headdim, True, masked=causal, dropout=p > 0, aligned=True,
-                                                       short=seqlen <= kc.SHORT))
+                    fields = make_fields(base)
                     with kc.override(**fields):
                         ms = bench(attend)
                         err = float("nan")
@@ -160,8 +162,7 @@ def main():
                 out = attend()
                 want = None
                 for name, make_fields in bwd_grid[headdim]:
-                    fields = make_fields(kc.configs_for(headdim, True, masked=causal, dropout=p > 0, aligned=True,
-                                                       short=seqlen <= kc.SHORT))
+                    fields = make_fields(base)
                     with kc.override(**fields):
                         ms = bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
                         err = float("nan")

@@ -103,3 +103,22 @@ def test_unmasked_tile_loads_match_reference(even_tiles, kwargs):
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
     check_against_reference(out, grads, q, k, v, dout, **kwargs)
+
+
+def test_forward_and_backward_pick_settings_by_query_length(monkeypatch):
+    # ops asks config.py for the short-row settings up to SHORT queries, the same in forward and backward;
+    # 16 and 17 queries straddle a lowered SHORT, against an odd number of keys
+    seen = []
+    configs_for = kernel_config.configs_for
+
+    def spy(*args):
+        seen.append(args[5])  # configs_for(headdim, is_cuda, masked, dropout, aligned, short)
+        return configs_for(*args)
+
+    monkeypatch.setattr(kernel_config, "configs_for", spy)
+    monkeypatch.setattr(kernel_config, "SHORT", 16)
+    for seqlen_q, short in ((16, True), (17, False)):
+        seen.clear()
+        q, k, v = random_qkv(1, seqlen_q, 33, 2, 1, 32, torch.float32)
+        flashpatch.flash_attn_func(q, k, v, causal=True).sum().backward()
+        assert seen == [short, short]
