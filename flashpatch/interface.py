@@ -34,6 +34,7 @@ def flash_attn_func(
         dropout_p: probability of dropping an attention weight (training only; pass 0.0 in eval).
             The keep mask comes from Philox keyed by a (seed, offset) pair drawn from torch's generator for
             q's device, so `torch.manual_seed` makes it reproducible; backward regenerates it, nothing is stored.
+            Each weight's keep decision is a 16-bit draw, so p takes effect in steps of 2^-16.
         softmax_scale: defaults to 1 / sqrt(headdim).
         causal: mask keys after the query's position, aligned to the bottom-right corner when lengths differ.
             For seqlen_q = 2, seqlen_k = 5 (1 = attended):
@@ -49,7 +50,9 @@ def flash_attn_func(
         window_size: (left, right); query i attends keys in [i + seqlen_k - seqlen_q - left,
             i + seqlen_k - seqlen_q + right]; -1 leaves that side unbounded. causal=True sets right to 0.
         softcap: if > 0, scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2 style).
-        deterministic: bitwise-repeatable backward (no atomics).
+        deterministic: bitwise-repeatable backward (no atomics). The default backward is deterministic too,
+            except on a GPU for head dims 65-128 with dropout, a causal or window mask and no GQA, where dQ is
+            summed with fp32 atomics because that measured faster; this flag turns that off.
         return_attn_probs: also return the log-sum-exp and, with dropout, the keep pattern (testing aid).
 
     Returns:

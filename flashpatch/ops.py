@@ -124,13 +124,13 @@ def _aligned(varlen: bool, headdim: int, max_seqlen_q: int, max_seqlen_k: int) -
     return _even(True, varlen, headdim, max_seqlen_q, align, max_seqlen_k, align)
 
 
-def _launch_configs(q: torch.Tensor, varlen: bool, max_seqlen_q: int, max_seqlen_k: int, window_left: int,
-                    window_right: int, dropout_p: float) -> kernel_config.KernelConfigs:
+def _launch_configs(q: torch.Tensor, k: torch.Tensor, varlen: bool, max_seqlen_q: int, max_seqlen_k: int,
+                    window_left: int, window_right: int, dropout_p: float) -> kernel_config.KernelConfigs:
     """config.py's launch settings for one call, forward or backward: the same inputs pick the same settings."""
     headdim = q.shape[-1]
     return kernel_config.configs_for(headdim, q.is_cuda, window_left >= 0 or window_right >= 0, dropout_p > 0,
                                      _aligned(varlen, headdim, max_seqlen_q, max_seqlen_k),
-                                     max_seqlen_q <= kernel_config.SHORT)
+                                     max_seqlen_q <= kernel_config.SHORT, q.shape[-2] != k.shape[-2])
 
 
 def batch_size(q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]) -> int:
@@ -163,7 +163,7 @@ def attn_fwd(
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    cfgs = _launch_configs(q, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p)
+    cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p)
     cfg = cfgs.fwd
     tma = cfg.tma and tma_usable(headdim, q, k, v, out)
     if tma:
@@ -228,7 +228,7 @@ def attn_bwd(
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    cfgs = _launch_configs(q, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p)
+    cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p)
     qk_scale, cap_log2 = _scales(softmax_scale, softcap)
     flags = _common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype)
     block_d = triton.next_power_of_2(headdim)

@@ -330,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     parser.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
     parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated subset of " + ",".join(PEERS))
+    parser.add_argument("--match", default="", help="only the cases whose name contains this (e.g. dropout)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_attention.py measures GPU kernels and needs a CUDA GPU; none is visible here. "
@@ -346,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--seqlens takes comma-separated integers, got {args.seqlens!r}")
     if any(n < 1 or 16384 % n for n in seqlens):
         parser.error(f"--seqlens must divide 16384 (B·N is fixed at 16k tokens), got {args.seqlens!r}")
-    cases = build_cases(args.quick, seqlens or None)
+    cases = [c for c in build_cases(args.quick, seqlens or None) if args.match in c.name]
+    if not cases:
+        parser.error(f"no case name contains --match {args.match!r}")
     gpu = torch.cuda.get_device_name()
 
     rows, checks = [], {}

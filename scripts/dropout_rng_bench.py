@@ -2,9 +2,13 @@
 
 Each kernel walks a causal-free (B*H, N/BM) grid of (BM, BN) tiles like the forward does, draws every keep bit
 and folds them into one count per program (so nothing is optimized away). Variants:
-    four_lanes   the kernels' dropout_keep: one Philox4x32-10 call per four keys, interleaved by tl.join/reshape
-    one_lane     one Philox call per key, output 0 only (no interleave, 4x the arithmetic)
-    eight_lanes  one call per eight keys, 16-bit decisions (half the arithmetic of four_lanes, a deeper interleave)
+    kernels          the kernels' dropout_keep: one Philox4x32-10 call per eight (query, key) pairs, 16-bit
+                     decisions, grouped so that each thread's matmul-accumulator elements share its calls
+    kernels_t        dropout_keep_transposed (the dK/dV kernel's keys x queries tile: four decisions per call)
+    four_lanes_v11   the generator before: one call per four keys of a row, 24-bit decisions, interleaved by
+                     tl.join/reshape through shared memory
+    one_lane         one Philox call per key, output 0 only (no interleave, 4x the arithmetic of four_lanes_v11)
+The forward with and without dropout is timed too: the number that matters.
     python scripts/dropout_rng_bench.py      (CUDA GPU)
 """
 
@@ -16,13 +20,23 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from a checkout, not installed
-from flashpatch.kernels.common import dropout_keep  # noqa: E402
+from flashpatch.kernels.common import dropout_keep, dropout_keep_transposed  # noqa: E402
+
+VARIANTS = ("kernels", "kernels_t", "four_lanes_v11", "one_lane")
 
 
 @triton.jit
-def _four_lanes(seed, offset, row_base, offs_m, start_n, max_seqlen_k, p, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    return dropout_keep(seed, offset, row_base, offs_m, start_n, max_seqlen_k, p, BLOCK_M, BLOCK_N)
+def _four_lanes_v11(seed, offset, row_base, offs_m, start_n, max_seqlen_k, p, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    groups = start_n // 4 + tl.arange(0, BLOCK_N // 4)
+    counter = offset + (row_base + offs_m.to(tl.int64))[:, None] * ((max_seqlen_k + 3) // 4) + groups[None, :]
+    c0 = (counter & 0xFFFFFFFF).to(tl.uint32)
+    c1 = (counter >> 32).to(tl.uint32)
+    zero = tl.zeros_like(c0)
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero, zero)
+    threshold = tl.ceil(p * 16777216.0).to(tl.uint32)
+    k0, k1, k2, k3 = (r0 >> 8) >= threshold, (r1 >> 8) >= threshold, (r2 >> 8) >= threshold, (r3 >> 8) >= threshold
+    return tl.reshape(tl.join(tl.join(k0, k2), tl.join(k1, k3)), (BLOCK_M, BLOCK_N))
 
 
 @triton.jit
@@ -38,36 +52,22 @@ def _one_lane(seed, offset, row_base, offs_m, start_n, max_seqlen_k, p, BLOCK_M:
 
 
 @triton.jit
-def _eight_lanes(seed, offset, row_base, offs_m, start_n, max_seqlen_k, p, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
-    counter = offset + (row_base + offs_m.to(tl.int64))[:, None] * ((max_seqlen_k + 7) // 8) + groups[None, :]
-    c0 = (counter & 0xFFFFFFFF).to(tl.uint32)
-    c1 = (counter >> 32).to(tl.uint32)
-    zero = tl.zeros_like(c0)
-    r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero, zero)
-    lo0, lo1, lo2, lo3 = r0 & 0xFFFF, r1 & 0xFFFF, r2 & 0xFFFF, r3 & 0xFFFF
-    hi0, hi1, hi2, hi3 = r0 >> 16, r1 >> 16, r2 >> 16, r3 >> 16
-    bits = tl.join(tl.join(tl.join(lo0, lo2), tl.join(lo1, lo3)), tl.join(tl.join(hi0, hi2), tl.join(hi1, hi3)))
-    bits = tl.reshape(bits, (BLOCK_M, BLOCK_N))
-    threshold = (p * 65536.0 + 0.5).to(tl.uint32)
-    return bits >= threshold
-
-
-@triton.jit
 def _mask_kernel(OUT, seed, offset, seqlen, p, VARIANT: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr):
     bh = tl.program_id(0)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_base = bh.to(tl.int64) * seqlen
+    rows0 = bh.to(tl.int64) * (seqlen // 2) + tl.program_id(1) * BLOCK_M // 2  # seqlen is a multiple of 16
     kept = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for start_n in range(0, seqlen, BLOCK_N):
         if VARIANT == 0:
-            keep = _four_lanes(seed, offset, row_base, offs_m, start_n, seqlen, p, BLOCK_M, BLOCK_N)
+            keep = dropout_keep(seed, offset, rows0, start_n, seqlen, p, BLOCK_M, BLOCK_N)
         elif VARIANT == 1:
-            keep = _one_lane(seed, offset, row_base, offs_m, start_n, seqlen, p, BLOCK_M, BLOCK_N)
+            keep = tl.trans(dropout_keep_transposed(seed, offset, rows0, start_n, seqlen, p, BLOCK_M, BLOCK_N))
+        elif VARIANT == 2:
+            keep = _four_lanes_v11(seed, offset, row_base, offs_m, start_n, seqlen, p, BLOCK_M, BLOCK_N)
         else:
-            keep = _eight_lanes(seed, offset, row_base, offs_m, start_n, seqlen, p, BLOCK_M, BLOCK_N)
+            keep = _one_lane(seed, offset, row_base, offs_m, start_n, seqlen, p, BLOCK_M, BLOCK_N)
         kept += keep.to(tl.int32)
     tl.store(OUT + bh * tl.num_programs(1) + tl.program_id(1), tl.sum(tl.sum(kept, 1), 0))
 
@@ -85,7 +85,7 @@ def main():
                                           return_mode="median")
     print(f"forward (full attention, d128, N={seqlen}): {fwd_ms:.3f} ms without dropout, {fwd_drop_ms:.3f} ms with")
     print("| variant | ms for all B*H*N*N keep bits | Gbit/s | kept fraction |\n|---|---|---|---|")
-    for variant, name in enumerate(("four_lanes", "one_lane", "eight_lanes")):
+    for variant, name in enumerate(VARIANTS):
         run = lambda: _mask_kernel[grid](out, 12345, 678, seqlen, 0.1, VARIANT=variant,  # noqa: E731
                                          BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8)
         ms = triton.testing.do_bench(run, return_mode="median")

@@ -1,6 +1,7 @@
 """Attention dropout: Philox mask keyed by (seed, offset) and element position, replayed in backward."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -130,19 +131,25 @@ def _philox4x32_10(counter: tuple[int, int, int, int], key: tuple[int, int]) -> 
 
 def test_mask_is_philox4x32_10_at_documented_counters():
     """The kernels' generator is the standard Philox4x32-10: checked against the published known-answer vector,
-    then bit for bit against the counter layout `dropout_keep` documents (four keys per call)."""
+    then bit for bit against the counter layout `dropout_keep` documents (eight 16-bit decisions per call)."""
     assert _philox4x32_10((0, 0, 0, 0), (0, 0)) == (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)
-    batch, nheads, seqlen_q, seqlen_k, p = 2, 3, 5, 13, 0.3  # 13 keys: the last group of each row is partial
+    # 21 queries, 37 keys: partial 16-row and 16-key groups, and both halves of bit 3 in each
+    batch, nheads, seqlen_q, seqlen_k, p = 2, 3, 21, 37, 0.3
     seed_offset = flashpatch.ops.draw_seed_offset(torch.device("cpu"))
     seed, offset = seed_offset.tolist()
     pattern = flashpatch.ops.dropout_pattern(seed_offset, batch, nheads, seqlen_q, seqlen_k, p)
-    p32 = torch.tensor(p, dtype=torch.float32).item()  # the kernels compare in fp32
-    groups_per_row = (seqlen_k + 3) // 4
+    threshold = math.floor(torch.tensor(p, dtype=torch.float32).item() * 65536 + 0.5)  # the kernels' fp32 p
+    rows_per_head = 8 * math.ceil(seqlen_q / 16)
+    groups_per_row = 4 * math.ceil(seqlen_k / 16)
     expected = torch.empty_like(pattern)
     for b, h, i, j in itertools.product(range(batch), range(nheads), range(seqlen_q), range(seqlen_k)):
-        counter = offset + ((b * nheads + h) * seqlen_q + i) * groups_per_row + j // 4
-        bits = _philox4x32_10((counter & MASK32, counter >> 32, 0, 0), (seed & MASK32, seed >> 32))[j % 4]
-        expected[b, h, i, j] = 1.0 if (bits >> 8) / 2**24 >= p32 else -1.0
+        i_pair = (i >> 4) * 8 + (i & 7)  # i without bit 3
+        j_group = (j >> 4) * 4 + ((j >> 1) & 3)  # j without bits 0 and 3
+        counter = offset + ((b * nheads + h) * rows_per_head + i_pair) * groups_per_row + j_group
+        word = _philox4x32_10((counter & MASK32, counter >> 32, 0, 0), (seed & MASK32, seed >> 32))[
+            2 * ((i >> 3) & 1) + ((j >> 3) & 1)]
+        bits = (word >> 16) if j & 1 else (word & 0xFFFF)
+        expected[b, h, i, j] = 1.0 if bits >= threshold else -1.0
     assert torch.equal(pattern, expected), (pattern != expected).sum().item()
 
 

@@ -122,3 +122,31 @@ def test_forward_and_backward_pick_settings_by_query_length(monkeypatch):
         q, k, v = random_qkv(1, seqlen_q, 33, 2, 1, 32, torch.float32)
         flashpatch.flash_attn_func(q, k, v, causal=True).sum().backward()
         assert seen == [short, short]
+
+
+def test_atomic_dq_only_for_masked_d128_dropout_without_gqa():
+    # round 15 (config.py): atomic dQ won only there; GQA, no mask or no dropout keep the deterministic dQ pass
+    def atomic(masked=True, dropout=True, grouped=False, headdim=128):
+        return kernel_config.configs_for(headdim, True, masked=masked, dropout=dropout, aligned=True,
+                                         grouped=grouped).atomic_dq
+    assert atomic()
+    assert not atomic(grouped=True)
+    assert not atomic(masked=False)
+    assert not atomic(dropout=False)
+    assert not atomic(headdim=64)
+
+
+def test_ops_tell_config_whether_heads_are_grouped(monkeypatch):
+    seen = []
+    configs_for = kernel_config.configs_for
+
+    def spy(*args):
+        seen.append(args[6])  # configs_for(headdim, is_cuda, masked, dropout, aligned, short, grouped)
+        return configs_for(*args)
+
+    monkeypatch.setattr(kernel_config, "configs_for", spy)
+    for nheads_k, grouped in ((2, False), (1, True)):
+        seen.clear()
+        q, k, v = random_qkv(1, 17, 17, 2, nheads_k, 32, torch.float32)
+        flashpatch.flash_attn_func(q, k, v, causal=True).sum().backward()
+        assert seen == [grouped, grouped]

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from flashpatch.kernels.common import (
-    dropout_keep, head_and_block, head_rows_desc, key_block_range, load_tile, query_block_program, query_block_range,
-    seq_bounds, tanh, visible)
+    dropout_head_rows, dropout_keep, dropout_keep_transposed, head_and_block, head_rows_desc, key_block_range,
+    load_tile, query_block_program, query_block_range, seq_bounds, tanh, visible)
 
 
 @triton.jit(do_not_specialize=["max_seqlen_q", "stride_lse_b", "stride_lse_h"])
@@ -50,7 +50,7 @@ def _dkdv_inner(
     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptrs, delta_ptrs,
     stride_qs, stride_dos, stride_dqs,
     offs_n, n_start, offs_d, start_m, end_m, seqlen_q, seqlen_k, window_left, window_right,
-    qk_scale, cap_log2, softmax_scale, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
+    qk_scale, cap_log2, softmax_scale, seed, offset, drop_head_rows, max_seqlen_k, dropout_p,
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, EVEN: tl.constexpr,
@@ -82,9 +82,8 @@ def _dkdv_inner(
         else:
             do = load_tile(do_ptrs + (start + zero64) * stride_dos, tl.trans(q_mask), 0.0, EVEN)  # (BM, D)
         if DROPOUT:
-            keep = dropout_keep(seed, offset, drop_row_base, offs_m, n_start, max_seqlen_k, dropout_p,
-                                BLOCK_M, BLOCK_N)  # (BM, BN)
-            keep_t = tl.trans(keep)
+            keep_t = dropout_keep_transposed(seed, offset, drop_head_rows + start // 2, n_start, max_seqlen_k,
+                                             dropout_p, BLOCK_M, BLOCK_N)  # (BN, BM)
             p_drop_t = tl.where(keep_t, p_t * inv_keep, 0.0)
         else:
             p_drop_t = p_t
@@ -169,7 +168,7 @@ def attn_bwd_dkdv_kernel(
                    + (q_start + offs_m[:, None]) * stride_dqs + offs_d[None, :])  # (BM, D)
         lse_ptrs = LSE + off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m
         delta_ptrs = DELTA + off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m
-        drop_row_base = (off_b * nheads + off_h) * max_seqlen_q
+        drop_head_rows = dropout_head_rows(off_b, nheads, off_h, max_seqlen_q)
         q_desc = None
         do_desc = None
         dq_desc = None
@@ -185,21 +184,21 @@ def attn_bwd_dkdv_kernel(
             dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptrs, delta_ptrs,
             stride_qs, stride_dos, stride_dqs,
             offs_n, n0, offs_d, lo, full_lo, seqlen_q, seqlen_k, window_left, window_right,
-            qk_scale, cap_log2, softmax_scale, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
+            qk_scale, cap_log2, softmax_scale, seed, offset, drop_head_rows, max_seqlen_k, dropout_p,
             HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION,
             TMA, EVEN)
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptrs, delta_ptrs,
             stride_qs, stride_dos, stride_dqs,
             offs_n, n0, offs_d, full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right,
-            qk_scale, cap_log2, softmax_scale, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
+            qk_scale, cap_log2, softmax_scale, seed, offset, drop_head_rows, max_seqlen_k, dropout_p,
             HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION,
             TMA, EVEN)
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptrs, delta_ptrs,
             stride_qs, stride_dos, stride_dqs,
             offs_n, n0, offs_d, full_hi, hi, seqlen_q, seqlen_k, window_left, window_right,
-            qk_scale, cap_log2, softmax_scale, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
+            qk_scale, cap_log2, softmax_scale, seed, offset, drop_head_rows, max_seqlen_k, dropout_p,
             HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION,
             TMA, EVEN)
 
@@ -220,7 +219,7 @@ def attn_bwd_dkdv_kernel(
 def _dq_inner(
     dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs,
     offs_m, offs_d, start_n, end_n, seqlen_q, seqlen_k, window_left, window_right,
-    qk_scale, cap_log2, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
+    qk_scale, cap_log2, seed, offset, drop_rows, max_seqlen_k, dropout_p,
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, EVEN: tl.constexpr,
@@ -249,8 +248,7 @@ def _dq_inner(
             p = tl.where(ok, p, 0.0)
         dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)  # (BM, BN)
         if DROPOUT:
-            keep = dropout_keep(seed, offset, drop_row_base, offs_m, start, max_seqlen_k, dropout_p,
-                                BLOCK_M, BLOCK_N)
+            keep = dropout_keep(seed, offset, drop_rows, start, max_seqlen_k, dropout_p, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
@@ -311,23 +309,23 @@ def attn_bwd_dq_kernel(
     if DROPOUT:
         seed = tl.load(SEED_OFFSET)
         offset = tl.load(SEED_OFFSET + 1)
-    drop_row_base = (off_b * nheads + off_h) * max_seqlen_q
+    drop_rows = dropout_head_rows(off_b, nheads, off_h, max_seqlen_q) + m0 // 2  # this query block's counters
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     lo, full_lo, full_hi, hi = key_block_range(
         m0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d,
                    lo, full_lo, seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset,
-                   drop_row_base,
+                   drop_rows,
                    max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                    DROPOUT, DOT_PRECISION, TMA, EVEN)
     dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d,
                    full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset,
-                   drop_row_base, max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
+                   drop_rows, max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
                    SOFTCAP, DROPOUT, DOT_PRECISION, TMA, EVEN)
     dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d,
                    full_hi, hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset,
-                   drop_row_base,
+                   drop_rows,
                    max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                    DROPOUT, DOT_PRECISION, TMA, EVEN)
     dq = dq * softmax_scale

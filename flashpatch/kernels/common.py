@@ -151,32 +151,80 @@ def tanh(x):
 
 
 @triton.jit
-def dropout_keep(seed, offset, row_base, offs_m, start_n, max_seqlen_k, dropout_p,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(BLOCK_M, BLOCK_N) bool tile: keep the weight of (query offs_m, key start_n + j)?
+def dropout_head_rows(off_b, nheads, off_h, max_seqlen_q):
+    """Counter row of the first query pair of head (off_b, off_h) (see `dropout_keep`)."""
+    return (off_b * nheads + off_h) * (tl.cdiv(max_seqlen_q, 16) * 8)
 
-    The generator is the standard Philox4x32-10 (Random123), keyed by the 64-bit seed. Its 64-bit counter
-    (words c0, c1) numbers groups of four keys in a (batch, nheads, max_seqlen_q, ceil(max_seqlen_k / 4)) grid,
-    row_base = (b * nheads + h) * max_seqlen_q, and the four 32-bit outputs serve keys 4g .. 4g + 3. So one Philox
-    call yields four decisions, in 32-bit integer arithmetic, and the bits depend on no block size, grid or layout
-    (packed and padded batches agree). start_n must be a multiple of 4 (key-block starts are multiples of BLOCK_N).
-    Each decision keeps the weight when the top 24 bits, read as a multiple of 2^-24 in [0, 1), are >= dropout_p.
 
-    The decisions are taken on the four (BM, BN / 4) outputs before they are interleaved: comparing 24-bit
-    integers with ceil(dropout_p * 2^24) is the same test as comparing the float (exact, since scaling by 2^24 is),
-    and the interleave then moves one byte per weight through shared memory instead of four."""
-    groups_per_row = (max_seqlen_k + 3) // 4
-    rows = row_base + offs_m.to(tl.int64)  # (BM,)
-    groups = start_n // 4 + tl.arange(0, BLOCK_N // 4)  # (BN / 4,)
-    counter = offset + rows[:, None] * groups_per_row + groups[None, :]  # (BM, BN / 4) int64
+@triton.jit
+def _dropout_threshold(dropout_p):
+    # Decisions are 16-bit: keep when the value is >= round(p * 2^16), so p takes effect in steps of 2^-16.
+    return tl.floor(dropout_p * 65536.0 + 0.5).to(tl.uint32)
+
+
+@triton.jit
+def _keep_half(word, high, threshold):
+    """Keep decision from the high (odd key) or low (even key) 16 bits of a Philox output word."""
+    return tl.where(high, word >> 16, word & 0xFFFF) >= threshold
+
+
+@triton.jit
+def dropout_keep(seed, offset, rows0, n0, max_seqlen_k, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) bool tile, queries x keys: keep the weight of (query m0 + i, key n0 + j)?
+    rows0 = dropout_head_rows(...) + m0 // 2; m0, n0 and both block sizes are multiples of 16.
+
+    The generator is the standard Philox4x32-10 (Random123), keyed by the 64-bit seed. Each call yields eight
+    16-bit decisions, for the eight (query, key) pairs that differ only in bit 3 of the query and bits 0 and 3 of
+    the key. For query i and key j of head h (h counts batch entries times heads) the call's 64-bit counter
+    (words c0, c1) is
+        offset + (h * 8 * ceil(max_seqlen_q / 16) + i') * 4 * ceil(max_seqlen_k / 16) + j',
+    i' = i without bit 3, j' = j without bits 0 and 3; the decision is output word 2 * i[3] + j[3], its low half
+    for even j and high half for odd j. The bits depend on no block size, grid or layout, so packed and padded
+    batches and every tiling agree.
+
+    Why this grouping: in the matmul accumulator layout of Hopper and Ampere, which the score tile lives in, a
+    thread holds rows i and i + 8 and columns j, j + 1, j + 8, j + 9 (and further multiples of 8), so the eight
+    decisions of one call land in the registers of the thread that computed them. The interleave below (join,
+    permute, reshape) is therefore free: Triton propagates the accumulator layout back through it, with no
+    shared-memory round trip (checked in the compiled IR)."""
+    tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "dropout tiles are whole 16 x 16 groups")
+    groups_per_row = tl.cdiv(max_seqlen_k, 16) * 4
+    rows = (rows0 + tl.arange(0, BLOCK_M // 16)[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.int64)  # (BM/16, 8)
+    cols = n0 // 4 + tl.arange(0, BLOCK_N // 16)[:, None] * 4 + tl.arange(0, 4)[None, :]  # (BN/16, 4)
+    counter = offset + rows[:, :, None, None] * groups_per_row + cols[None, None, :, :]  # (BM/16, 8, BN/16, 4)
     c0 = (counter & 0xFFFFFFFF).to(tl.uint32)
     c1 = (counter >> 32).to(tl.uint32)
     zero = tl.zeros_like(c0)
     r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero, zero)
-    threshold = tl.ceil(dropout_p * 16777216.0).to(tl.uint32)  # < 2^24 since dropout_p < 1
-    k0 = (r0 >> 8) >= threshold
-    k1 = (r1 >> 8) >= threshold
-    k2 = (r2 >> 8) >= threshold
-    k3 = (r3 >> 8) >= threshold
-    # Interleave so that key 4g + i takes output i: join(join(k0, k2), join(k1, k3))[..., g, a, b] = k[2a + b].
-    return tl.reshape(tl.join(tl.join(k0, k2), tl.join(k1, k3)), (BLOCK_M, BLOCK_N))
+    threshold = _dropout_threshold(dropout_p)
+    # word r[2 * i3 + j3]; joined dims after the three joins: (i >> 4, i & 7, j >> 4, (j >> 1) & 3, j0, j3, i3)
+    keep = tl.join(tl.join(tl.join(r0 & 0xFFFF, r0 >> 16), tl.join(r1 & 0xFFFF, r1 >> 16)),
+                   tl.join(tl.join(r2 & 0xFFFF, r2 >> 16), tl.join(r3 & 0xFFFF, r3 >> 16))) >= threshold
+    keep = tl.permute(keep, (0, 6, 1, 2, 5, 3, 4))  # (i >> 4, i3, i & 7, j >> 4, j3, (j >> 1) & 3, j0)
+    return tl.reshape(keep, (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
+def dropout_keep_transposed(seed, offset, rows0, n0, max_seqlen_k, dropout_p,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(BLOCK_N, BLOCK_M) bool tile, keys x queries: `dropout_keep`'s decisions, transposed, for the dK/dV
+    kernel's transposed score tile. There a thread holds keys j and j + 8 but not j + 1, so the call for keys j'
+    is made by both threads that hold its even and odd keys, and each keeps its own four decisions: twice the
+    Philox work of `dropout_keep`, still without a shared-memory interleave."""
+    tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "dropout tiles are whole 16 x 16 groups")
+    groups_per_row = tl.cdiv(max_seqlen_k, 16) * 4
+    key_low = tl.arange(0, 8)  # key bits 0..2
+    cols = n0 // 4 + tl.arange(0, BLOCK_N // 16)[:, None] * 4 + (key_low >> 1)[None, :]  # (BN/16, 8)
+    rows = (rows0 + tl.arange(0, BLOCK_M // 16)[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.int64)  # (BM/16, 8)
+    counter = offset + cols[:, :, None, None] + rows[None, None, :, :] * groups_per_row  # (BN/16, 8, BM/16, 8)
+    c0 = (counter & 0xFFFFFFFF).to(tl.uint32)
+    c1 = (counter >> 32).to(tl.uint32)
+    zero = tl.zeros_like(c0)
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero, zero)
+    threshold = _dropout_threshold(dropout_p)
+    high = (key_low & 1)[None, :, None, None] != 0
+    # word r[2 * i3 + j3]; joined dims: (j >> 4, j & 7, i >> 4, i & 7, j3, i3)
+    keep = tl.join(tl.join(_keep_half(r0, high, threshold), _keep_half(r1, high, threshold)),
+                   tl.join(_keep_half(r2, high, threshold), _keep_half(r3, high, threshold)))
+    keep = tl.permute(keep, (0, 4, 1, 2, 5, 3))  # (j >> 4, j3, j & 7, i >> 4, i3, i & 7)
+    return tl.reshape(keep, (BLOCK_N, BLOCK_M))

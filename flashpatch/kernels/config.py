@@ -37,19 +37,27 @@ SHORT = 1024  # query lengths up to this count as short (configs_for's `short`)
 
 
 def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool = False,
-                aligned: bool = False, short: bool = False) -> KernelConfigs:
+                aligned: bool = False, short: bool = False, grouped: bool = False) -> KernelConfigs:
     """Launch settings measured by scripts/tune_kernels.py on an H200 (bf16, B*N = 16k, H*D = 2048; NOTES.md and
     docs/results/h200/tune_round*.json). `masked`: causal or windowed, where the forward prefers narrower key tiles
-    (less work wasted on the diagonal) and the d64 dK/dV kernel a deeper pipeline. `dropout`: the forward keeps the
-    narrow key tile too, since interleaving the Philox outputs into the score tile takes a shared-memory buffer, and
-    at d128 with 128-wide key tiles and 3 stages that asked for 240 KB, over the H100/H200 limit of 227 KB.
+    (less work wasted on the diagonal) and the d64 dK/dV kernel a deeper pipeline. `dropout`: the unmasked d128
+    forward keeps the narrow key tile too. Until v17 that was forced (the Philox outputs went through a
+    shared-memory interleave that, with 128-wide key tiles, asked for 240 KB); since then the keep bits stay in
+    registers, and round 15 measured the 128-wide tile within noise (n8192 forward 327 against 319 TFLOP/s, with
+    register spills and 229 KB of shared memory), so the narrow one stays.
     `aligned` (ops._aligned): dense rows whose lengths every tile divides, so the loads carry no bounds masks
     (v10); some tiles win only then and lose on varlen batches (scripts/tune_varlen.py, NOTES.md v12-v15).
     `short`: at most SHORT queries, where a grid of 128-row tiles leaves too few programs to fill the SMs evenly.
+    `grouped`: GQA/MQA (fewer K/V heads than query heads), where the dK/dV kernel loops over each K/V head's group.
 
     The separate dQ pass beat atomic dQ in every measured case (e.g. d128 n8192 causal: 253 vs 232 TFLOP/s
-    backward; round 4: 290 vs 246 with TMA bulk reduce-add), so it is the default, which also makes the backward
-    deterministic by construction. TMA descriptors (`tma`) are used only where they measured faster: elsewhere in
+    backward; round 4: 290 vs 246 with TMA bulk reduce-add) but one, so it is the default, which also makes the
+    backward deterministic by construction. The exception (round 15, after v17's register-local keep bits): d128
+    causal or windowed with dropout and as many K/V heads as query heads, where atomic dQ saves the dQ pass's
+    second draw of every keep bit (backward n2048 / n8192: 191 / 231 -> 206 / 257 TFLOP/s). Without a mask it
+    still loses (n8192: 255 -> 217), and with GQA 16/4 too (the 1B recipe's n2048, batch 4: 193 -> 175). There
+    `deterministic=True` (or torch's deterministic mode, through the transformers integration) keeps the
+    separate pass. TMA descriptors (`tma`) are used only where they measured faster: elsewhere in
     rounds 4-7 they were within noise of pointer arithmetic, or slower (the d128 forward: 490 -> 456)."""
     block_d = triton.next_power_of_2(headdim)
     # Grid order (round 5, docs/results/h200/tune_round5.json): the forward always runs a head's query blocks on
@@ -97,7 +105,7 @@ def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool
                  else LaunchConfig(128, 64, num_warps=8, num_stages=3, blocks_fastest=True)),
             bwd_dkdv=LaunchConfig(64 if aligned else 32, 128, num_warps=8, num_stages=3),
             bwd_dq=LaunchConfig(128, 64, num_warps=8, num_stages=3, tma=True),
-            atomic_dq=False,
+            atomic_dq=dropout and not grouped,  # round 15: see the docstring
         )
     elif block_d <= 128:
         # Round 7 (tune_round7.json), n4096 / n8192 backward: 317 / 325 -> 344 / 352 TFLOP/s with one-warpgroup

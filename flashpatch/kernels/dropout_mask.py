@@ -7,7 +7,7 @@ they drew. Materializes (batch, nheads, max_seqlen_q, max_seqlen_k): small shape
 import triton
 import triton.language as tl
 
-from flashpatch.kernels.common import dropout_keep
+from flashpatch.kernels.common import dropout_head_rows, dropout_keep
 
 
 @triton.jit
@@ -23,8 +23,8 @@ def dropout_mask_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     seed = tl.load(SEED_OFFSET)
     offset = tl.load(SEED_OFFSET + 1)
-    row_base = off_bh * max_seqlen_q  # == (b * nheads + h) * max_seqlen_q
-    keep = dropout_keep(seed, offset, row_base, offs_m, n0, max_seqlen_k, dropout_p, BLOCK_M, BLOCK_N)
-    ptrs = OUT + (row_base + offs_m[:, None]) * max_seqlen_k + offs_n[None, :]
+    rows0 = dropout_head_rows(off_bh // nheads, nheads, off_bh % nheads, max_seqlen_q) + pid_m * BLOCK_M // 2
+    keep = dropout_keep(seed, offset, rows0, n0, max_seqlen_k, dropout_p, BLOCK_M, BLOCK_N)
+    ptrs = OUT + (off_bh * max_seqlen_q + offs_m[:, None]) * max_seqlen_k + offs_n[None, :]
     mask = (offs_m[:, None] < max_seqlen_q) & (offs_n[None, :] < max_seqlen_k)
     tl.store(ptrs, tl.where(keep, 1.0, -1.0), mask=mask)

@@ -10,14 +10,14 @@ import triton
 import triton.language as tl
 
 from flashpatch.kernels.common import (
-    dropout_keep, head_rows_desc, key_block_range, load_tile, query_block_program, tanh, visible)
+    dropout_head_rows, dropout_keep, head_rows_desc, key_block_range, load_tile, query_block_program, tanh, visible)
 
 
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs,
     offs_m, offs_d, start_n, end_n, seqlen_q, seqlen_k, window_left, window_right,
-    qk_scale, cap_log2, seed, offset, drop_row_base, max_seqlen_k, dropout_p,
+    qk_scale, cap_log2, seed, offset, drop_rows, max_seqlen_k, dropout_p,
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, EVEN: tl.constexpr,
@@ -45,8 +45,7 @@ def _fwd_inner(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)  # normalizer of the undropped softmax
         if DROPOUT:
-            keep = dropout_keep(seed, offset, drop_row_base, offs_m, start, max_seqlen_k, dropout_p,
-                                BLOCK_M, BLOCK_N)
+            keep = dropout_keep(seed, offset, drop_rows, start, max_seqlen_k, dropout_p, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         if TMA:
             v = v_desc.load([start, 0])  # (BN, D)
@@ -105,7 +104,7 @@ def attn_fwd_kernel(
     if DROPOUT:
         seed = tl.load(SEED_OFFSET)
         offset = tl.load(SEED_OFFSET + 1)
-    drop_row_base = (off_b * nheads + off_h) * max_seqlen_q
+    drop_rows = dropout_head_rows(off_b, nheads, off_h, max_seqlen_q) + m0 // 2  # this query block's counters
 
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -116,17 +115,17 @@ def attn_fwd_kernel(
     # Blocks that straddle a mask edge pay for the mask; the rest run unmasked.
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, lo, full_lo,
-        seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
+        seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_rows,
         max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT,
         DOT_PRECISION, TMA, EVEN)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, full_lo, full_hi,
-        seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
+        seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_rows,
         max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT,
         DOT_PRECISION, TMA, EVEN)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, full_hi, hi,
-        seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_row_base,
+        seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_rows,
         max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT,
         DOT_PRECISION, TMA, EVEN)
 
