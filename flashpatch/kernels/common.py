@@ -163,6 +163,16 @@ def _dropout_threshold(dropout_p):
 
 
 @triton.jit
+def _philox4x32_10(seed, counter):
+    """The four 32-bit output words of Philox4x32-10 keyed by the 64-bit seed at the 64-bit counter (words c0, c1;
+    c2 = c3 = 0)."""
+    c0 = (counter & 0xFFFFFFFF).to(tl.uint32)
+    c1 = (counter >> 32).to(tl.uint32)
+    zero = tl.zeros_like(c0)
+    return tl.philox(seed, c0, c1, zero, zero)
+
+
+@triton.jit
 def _keep_half(word, high, threshold):
     """Keep decision from the high (odd key) or low (even key) 16 bits of a Philox output word."""
     return tl.where(high, word >> 16, word & 0xFFFF) >= threshold
@@ -192,10 +202,7 @@ def dropout_keep(seed, offset, rows0, n0, max_seqlen_k, dropout_p, BLOCK_M: tl.c
     rows = (rows0 + tl.arange(0, BLOCK_M // 16)[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.int64)  # (BM/16, 8)
     cols = n0 // 4 + tl.arange(0, BLOCK_N // 16)[:, None] * 4 + tl.arange(0, 4)[None, :]  # (BN/16, 4)
     counter = offset + rows[:, :, None, None] * groups_per_row + cols[None, None, :, :]  # (BM/16, 8, BN/16, 4)
-    c0 = (counter & 0xFFFFFFFF).to(tl.uint32)
-    c1 = (counter >> 32).to(tl.uint32)
-    zero = tl.zeros_like(c0)
-    r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero, zero)
+    r0, r1, r2, r3 = _philox4x32_10(seed, counter)
     threshold = _dropout_threshold(dropout_p)
     # word r[2 * i3 + j3]; joined dims after the three joins: (i >> 4, i & 7, j >> 4, (j >> 1) & 3, j0, j3, i3)
     keep = tl.join(tl.join(tl.join(r0 & 0xFFFF, r0 >> 16), tl.join(r1 & 0xFFFF, r1 >> 16)),
@@ -217,10 +224,7 @@ def dropout_keep_transposed(seed, offset, rows0, n0, max_seqlen_k, dropout_p,
     cols = n0 // 4 + tl.arange(0, BLOCK_N // 16)[:, None] * 4 + (key_low >> 1)[None, :]  # (BN/16, 8)
     rows = (rows0 + tl.arange(0, BLOCK_M // 16)[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.int64)  # (BM/16, 8)
     counter = offset + cols[:, :, None, None] + rows[None, None, :, :] * groups_per_row  # (BN/16, 8, BM/16, 8)
-    c0 = (counter & 0xFFFFFFFF).to(tl.uint32)
-    c1 = (counter >> 32).to(tl.uint32)
-    zero = tl.zeros_like(c0)
-    r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero, zero)
+    r0, r1, r2, r3 = _philox4x32_10(seed, counter)
     threshold = _dropout_threshold(dropout_p)
     high = (key_low & 1)[None, :, None, None] != 0
     # word r[2 * i3 + j3]; joined dims: (j >> 4, j & 7, i >> 4, i & 7, j3, i3)
