@@ -105,23 +105,30 @@ def test_unmasked_tile_loads_match_reference(even_tiles, kwargs):
     check_against_reference(out, grads, q, k, v, dout, **kwargs)
 
 
-def test_forward_and_backward_pick_settings_by_query_length(monkeypatch):
-    # ops asks config.py for the short-row settings up to SHORT queries, the same in forward and backward;
-    # 16 and 17 queries straddle a lowered SHORT, against an odd number of keys
-    seen = []
+@pytest.fixture
+def configs_for_calls(monkeypatch):
+    """The positional arguments of every configs_for call ops makes:
+    (headdim, is_cuda, masked, dropout, aligned, short, grouped)."""
+    calls = []
     configs_for = kernel_config.configs_for
 
     def spy(*args):
-        seen.append(args[5])  # configs_for(headdim, is_cuda, masked, dropout, aligned, short)
+        calls.append(args)
         return configs_for(*args)
 
     monkeypatch.setattr(kernel_config, "configs_for", spy)
+    return calls
+
+
+def test_forward_and_backward_pick_settings_by_query_length(configs_for_calls, monkeypatch):
+    # ops asks config.py for the short-row settings up to SHORT queries, the same in forward and backward;
+    # 16 and 17 queries straddle a lowered SHORT, against an odd number of keys
     monkeypatch.setattr(kernel_config, "SHORT", 16)
     for seqlen_q, short in ((16, True), (17, False)):
-        seen.clear()
+        configs_for_calls.clear()
         q, k, v = random_qkv(1, seqlen_q, 33, 2, 1, 32, torch.float32)
         flashpatch.flash_attn_func(q, k, v, causal=True).sum().backward()
-        assert seen == [short, short]
+        assert [args[5] for args in configs_for_calls] == [short, short]
 
 
 def test_atomic_dq_only_for_masked_d128_dropout_without_gqa():
@@ -136,17 +143,9 @@ def test_atomic_dq_only_for_masked_d128_dropout_without_gqa():
     assert not atomic(headdim=64)
 
 
-def test_ops_tell_config_whether_heads_are_grouped(monkeypatch):
-    seen = []
-    configs_for = kernel_config.configs_for
-
-    def spy(*args):
-        seen.append(args[6])  # configs_for(headdim, is_cuda, masked, dropout, aligned, short, grouped)
-        return configs_for(*args)
-
-    monkeypatch.setattr(kernel_config, "configs_for", spy)
+def test_ops_tell_config_whether_heads_are_grouped(configs_for_calls):
     for nheads_k, grouped in ((2, False), (1, True)):
-        seen.clear()
+        configs_for_calls.clear()
         q, k, v = random_qkv(1, 17, 17, 2, nheads_k, 32, torch.float32)
         flashpatch.flash_attn_func(q, k, v, causal=True).sum().backward()
-        assert seen == [grouped, grouped]
+        assert [args[6] for args in configs_for_calls] == [grouped, grouped]
