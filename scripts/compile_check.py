@@ -1,9 +1,9 @@
 """Compile every kernel variant for a CUDA target on a machine with no GPU (Triton ships ptxas).
 
 Catches type and lowering errors that the CPU interpreter accepts, and launch configurations that would ask for more
-shared memory than an H100/H200 block has, without spending device time. The shared-memory figure is the local
-Triton's: Triton 3.9 pipelines with far less shared memory than 3.6 (the d128 unmasked dropout forward with
-128-wide key tiles: 64 KB here, 240 KB under 3.6 on the GPU), so the GPU tests still have the last word.
+shared memory than an H100/H200 block has, without spending device time. Kernels compile with the alignment the JIT
+assumes at a real launch (launch_hints), so loads are pipelined as on the GPU and the shared-memory figures match
+the GPU build's (checked for Triton 3.6 and 3.9); the GPU tests still have the last word.
     python scripts/compile_check.py [--arch 90]
 """
 
@@ -47,8 +47,20 @@ def signature(fn, dtype, constexprs):
 SHARED_MEMORY_LIMIT = 232448  # bytes per block on H100 / H200 (227 KB)
 
 
+def launch_hints(fn, constexprs):
+    """What the JIT assumes at a real launch: 16-byte aligned tensors (torch allocations) and strides divisible by
+    16 (contiguous rows of head dims that are multiples of 16), except the arguments the kernel asks it not to
+    specialize. Without these hints Triton cannot vectorize the tile loads into cp.async copies, does not pipeline
+    them, and reports a fraction of the shared memory the GPU build needs (the d128 dropout forward with 128-wide
+    key tiles: 65,536 bytes without, 229,376 with, as on the GPU; NOTES.md v4 and v18)."""
+    skip = {fn.arg_names[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize", ())}
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+            if name not in constexprs and name not in skip and (name.isupper() or name.startswith("stride_"))}
+
+
 def compile_one(fn, dtype, constexprs, arch, num_warps=4, num_stages=2):
-    src = ASTSource(fn=fn, signature=signature(fn, dtype, constexprs), constexprs=constexprs)
+    src = ASTSource(fn=fn, signature=signature(fn, dtype, constexprs), constexprs=constexprs,
+                    attrs=launch_hints(fn, constexprs))
     target = GPUTarget("cuda", arch, 32)
     kernel = triton.compile(src, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
     if kernel.metadata.shared > SHARED_MEMORY_LIMIT:
@@ -78,8 +90,8 @@ def main():
             (attn_fwd_kernel, cfgs.fwd, {}),
             *([(attn_fwd_kernel, short_fwd, {})] if short_fwd != cfgs.fwd else []),
             (attn_bwd_dq_kernel, cfgs.bwd_dq, {}),
-            (attn_bwd_dkdv_kernel, cfgs.bwd_dkdv, {"ATOMIC_DQ": False}),
-            (attn_bwd_dkdv_kernel, cfgs.bwd_dkdv, {"ATOMIC_DQ": True}),
+            (attn_bwd_dkdv_kernel, cfgs.bwd_dkdv, {"ATOMIC_DQ": False, "DP_FIRST": cfgs.bwd_dkdv.dp_first}),
+            (attn_bwd_dkdv_kernel, cfgs.bwd_dkdv, {"ATOMIC_DQ": True, "DP_FIRST": cfgs.bwd_dkdv.dp_first}),
         ):
             launch = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "TMA": cfg.tma,
                       "BLOCKS_FASTEST": cfg.blocks_fastest, "EVEN": not varlen}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session in one call: GPU tests, kernel tuning, benchmarks, recipes. A short summary prints last.
-#   bash scripts/gpu_suite.sh [tests] [tune] [tune_dropout] [bench] [parity] [parity_dropout] [<config name>] ...
+#   bash scripts/gpu_suite.sh [tests] [tune] [tune_fwd] [tune_dropout] [bench] [parity] [parity_dropout] [<config name>] ...
 #   PARITY_SEEDS="0 1 2" repeats parity_dropout per seed.
 # Logs and reports go to $WORK; after every step they are packed into $OUT/suite.tgz (the device tool returns at
 # most 8 files, and a run cut off by its time limit still returns what was packed). On the device machine, carry
@@ -38,6 +38,12 @@ for step in $steps; do
     tune)
       python3 scripts/tune_kernels.py --out "$WORK" 2>&1 | tee "$WORK/tune.log"
       summary+=("tune: tune.log") ;;
+    tune_fwd)  # forward grid only: d128 at issue 7's lengths, d64 n8192, dropout n8192, the 1B recipe's shape
+      { python3 scripts/tune_kernels.py --headdim 128 --seqlens 4096,8192,16384 --skip-bwd --out "$WORK/tune_fwd128"
+        python3 scripts/tune_kernels.py --headdim 64 --seqlens 8192 --skip-bwd --out "$WORK/tune_fwd64"
+        python3 scripts/tune_kernels.py --dropout 0.1 --seqlens 8192 --skip-bwd --out "$WORK/tune_fwd_dropout"
+        python3 scripts/kernel_time_variants.py --match fwd; } 2>&1 | tee "$WORK/tune_fwd.log"
+      summary+=("tune_fwd: tune_fwd.log") ;;
     tune_dropout)  # dropout 0.1 tiles at d128 n8192 (causal and full)
       python3 scripts/tune_kernels.py --dropout 0.1 --seqlens 8192 --out "$WORK/tune_dropout" 2>&1 \
         | tee "$WORK/tune_dropout.log"

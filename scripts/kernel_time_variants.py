@@ -2,10 +2,11 @@
 short enough that do_bench's timing includes host launch overhead (the 1B recipe's attention: ~0.1 ms kernels).
 Dense causal rows, bf16; each variant overrides fields of the launch settings config.py picks for the shape.
 
-    python scripts/kernel_time_variants.py [--seqlen 1024 --batch 8 --heads 16 --kv-heads 4 --headdim 128]
+    python scripts/kernel_time_variants.py [--seqlen 1024 --batch 8 --heads 16 --kv-heads 4 --headdim 128] [--match fwd]
 """
 
 import argparse
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +24,17 @@ VARIANTS = [
     ("fwd 128x64 w8 s3", lambda c: dict(fwd=L(128, 64, 8, 3, True))),  # the d128 masked forward before round 14
     ("fwd 64x64 w4 s3", lambda c: dict(fwd=L(64, 64, 4, 3, True))),
     ("fwd 128x64 w4 s3", lambda c: dict(fwd=L(128, 64, 4, 3, True))),
+    # round 16: deeper and shallower pipelines and narrower tiles at this short, GQA shape
+    ("fwd 64x64 w4 s2", lambda c: dict(fwd=L(64, 64, 4, 2, True))),
+    ("fwd 64x64 w4 s4", lambda c: dict(fwd=L(64, 64, 4, 4, True))),
+    ("fwd 64x32 w4 s3", lambda c: dict(fwd=L(64, 32, 4, 3, True))),
+    ("fwd 64x128 w4 s2", lambda c: dict(fwd=L(64, 128, 4, 2, True))),
+    ("fwd 64x64 w4 s3 TMA", lambda c: dict(fwd=L(64, 64, 4, 3, True, True))),
+    ("dq 128x64 w8 s2 TMA", lambda c: dict(bwd_dq=replace(c.bwd_dq, num_stages=2))),
+    ("dq 128x64 w8 s4 TMA", lambda c: dict(bwd_dq=replace(c.bwd_dq, num_stages=4))),
+    ("dq 128x32 w8 s3 TMA", lambda c: dict(bwd_dq=replace(c.bwd_dq, block_n=32))),
+    ("dq 64x64 w4 s2 TMA", lambda c: dict(bwd_dq=L(64, 64, 4, 2, c.bwd_dq.blocks_fastest, True))),
+    ("dkdv 64x64 w4 s3", lambda c: dict(bwd_dkdv=L(64, 64, 4, 3, c.bwd_dkdv.blocks_fastest))),
     ("dkdv 2 stages", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, num_stages=2))),
     ("dkdv 4 stages", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, num_stages=4))),
     ("dkdv 32x128 w8 s3", lambda c: dict(bwd_dkdv=L(32, 128, 8, 3, c.bwd_dkdv.blocks_fastest))),
@@ -49,6 +61,8 @@ def main():
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--headdim", type=int, default=128)
+    parser.add_argument("--match", default="", help="regular expression: only the variants whose name it finds "
+                        "(and 'current')")
     args = parser.parse_args()
     b, n, h, hk, d = args.batch, args.seqlen, args.heads, args.kv_heads, args.headdim
     q, k, v = (torch.randn(b, n, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -64,6 +78,8 @@ def main():
     print(f"d{d} N={n} B={b} H={h}:{hk} causal, GPU kernel ms per fwd+bwd (torch profiler, 20 steps)")
     print("| variant | fwd | dK/dV | dQ | fwd+bwd | TFLOP/s |\n|---|---|---|---|---|---|")
     for name, make_fields in VARIANTS:
+        if not re.search(args.match, name) and not name.startswith("current"):
+            continue
         try:
             with kc.override(**make_fields(base)):
                 times = dict(kernel_times(step, iters=20))
