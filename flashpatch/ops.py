@@ -259,7 +259,7 @@ def attn_bwd(
         qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
         HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq, TMA=tma_dkdv,
         BLOCKS_FASTEST=c.blocks_fastest, EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_q, c.block_m),
-        **flags,
+        DP_FIRST=c.dp_first, **flags,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     if atomic_dq:

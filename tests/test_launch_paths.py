@@ -105,6 +105,41 @@ def test_unmasked_tile_loads_match_reference(even_tiles, kwargs):
     check_against_reference(out, grads, q, k, v, dout, **kwargs)
 
 
+def dp_first(enabled: bool):
+    base = kernel_config.configs_for(64, False)
+    return {"bwd_dkdv": replace(base.bwd_dkdv, dp_first=enabled)}
+
+
+@pytest.mark.parametrize("seqlens,kwargs", [
+    ((45, 70), {"causal": True}),
+    ((33, 97), {"window_size": (9, 3)}),
+    ((64, 96), {"softcap": 5.0}),
+    ((1, 17), {}),
+], ids=str)
+def test_dp_first_dkdv_order_matches_reference(seqlens, kwargs):
+    # LaunchConfig.dp_first: the dK/dV kernel computes dPᵀ before the softmax (backward._dkdv_inner)
+    q, k, v = random_qkv(2, *seqlens, 4, 2, 32, torch.float32)
+    with kernel_config.override(**dp_first(True)):
+        out = flashpatch.flash_attn_func(q, k, v, **kwargs)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(out, grads, q, k, v, dout, **kwargs)
+
+
+def test_dp_first_dkdv_order_with_dropout_gives_the_same_gradients():
+    # the same keep bits and the same arithmetic per element, only the matmuls reordered
+    q, k, v = random_qkv(2, 45, 70, 4, 2, 32, torch.float32)
+    dout = torch.randn(2, 45, 4, 32)
+    grads = []
+    for enabled in (False, True):
+        torch.manual_seed(0)
+        with kernel_config.override(**dp_first(enabled)):
+            out = flashpatch.flash_attn_func(q, k, v, dropout_p=0.3, causal=True)
+            grads.append(torch.autograd.grad(out, (q, k, v), dout))
+    for plain, reordered in zip(*grads):
+        torch.testing.assert_close(reordered, plain, rtol=1e-6, atol=1e-6)
+
+
 @pytest.fixture
 def configs_for_calls(monkeypatch):
     """The positional arguments of every configs_for call ops makes:
@@ -141,6 +176,18 @@ def test_atomic_dq_only_for_masked_d128_dropout_without_gqa():
     assert not atomic(masked=False)
     assert not atomic(dropout=False)
     assert not atomic(headdim=64)
+
+
+def test_dp_first_only_for_unmasked_d128_without_dropout():
+    # round 16 (config.py): dP first won only with the one-warpgroup unmasked d128 tile; it lost with dropout and
+    # spilled in the masked 64 x 128 tile
+    def dp_first(masked=False, dropout=False, headdim=128):
+        return kernel_config.configs_for(headdim, True, masked=masked, dropout=dropout, aligned=True).bwd_dkdv.dp_first
+    assert dp_first()
+    assert not dp_first(dropout=True)
+    assert not dp_first(masked=True)
+    assert not dp_first(headdim=64)
+    assert not kernel_config.configs_for(128, False).bwd_dkdv.dp_first  # the interpreter's tiles
 
 
 def test_ops_tell_config_whether_heads_are_grouped(configs_for_calls):

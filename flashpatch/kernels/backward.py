@@ -46,6 +46,15 @@ def attn_bwd_preprocess_kernel(
 
 
 @triton.jit
+def _load_do(do_ptrs, do_desc, stride_dos, start, q_mask, TMA: tl.constexpr, EVEN: tl.constexpr):
+    """The (BM, D) tile of dO for the query block at `start` (q_mask: the (D, BM) bounds of Q transposed)."""
+    if TMA:
+        return do_desc.load([start, 0])
+    else:
+        return load_tile(do_ptrs + (start + tl.zeros((), dtype=tl.int64)) * stride_dos, tl.trans(q_mask), 0.0, EVEN)
+
+
+@triton.jit
 def _dkdv_inner(
     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptrs, delta_ptrs,
     stride_qs, stride_dos, stride_dqs,
@@ -54,7 +63,15 @@ def _dkdv_inner(
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, EVEN: tl.constexpr,
+    DP_FIRST: tl.constexpr,
 ):
+    """Query blocks [start_m, end_m) of one query head into (dk, dv) of this key block.
+
+    Triton leaves a matmul in flight only when the loop reads its result no earlier than the next synchronous
+    matmul, so the order of the four matmuls decides what overlaps. By default dV += Pᵀ dO is issued together with
+    dPᵀ = V dOᵀ and both are waited for before dS; with DP_FIRST, dPᵀ is computed right after the scores and the
+    dV matmul runs while dS is computed, at the price of holding dPᵀ in registers through the softmax (v18:
+    faster for the one-warpgroup unmasked tile, more spills for the 64 x 128 one)."""
     inv_keep = 1.0 / (1.0 - dropout_p)
     zero64 = tl.zeros((), dtype=tl.int64)  # loop offsets times strides in 64 bits
     for start in range(start_m, end_m, BLOCK_M):
@@ -67,6 +84,9 @@ def _dkdv_inner(
             q_t = load_tile(q_ptrs + (start + zero64) * stride_qs, q_mask, 0.0, EVEN)  # (D, BM)
         lse = load_tile(lse_ptrs + start, row_ok, float("inf"), EVEN)  # natural log
         qk_t = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # (BN, BM): scores transposed
+        if DP_FIRST:
+            do = _load_do(do_ptrs, do_desc, stride_dos, start, q_mask, TMA, EVEN)  # (BM, D)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BN, BM)
         if SOFTCAP:
             t = tanh(qk_t * qk_scale)
             s_t = cap_log2 * t
@@ -77,10 +97,8 @@ def _dkdv_inner(
             ok = visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left, window_right,
                          HAS_LEFT, HAS_RIGHT)
             p_t = tl.where(ok, p_t, 0.0)
-        if TMA:
-            do = do_desc.load([start, 0])  # (BM, D)
-        else:
-            do = load_tile(do_ptrs + (start + zero64) * stride_dos, tl.trans(q_mask), 0.0, EVEN)  # (BM, D)
+        if not DP_FIRST:
+            do = _load_do(do_ptrs, do_desc, stride_dos, start, q_mask, TMA, EVEN)  # (BM, D)
         if DROPOUT:
             keep_t = dropout_keep_transposed(seed, offset, drop_head_rows + start // 2, n_start, max_seqlen_k,
                                              dropout_p, BLOCK_M, BLOCK_N)  # (BN, BM)
@@ -88,7 +106,8 @@ def _dkdv_inner(
         else:
             p_drop_t = p_t
         dv += tl.dot(p_drop_t.to(do.dtype), do, input_precision=DOT_PRECISION)  # (BN, D)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BN, BM)
+        if not DP_FIRST:
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BN, BM)
         if DROPOUT:
             dp_t = tl.where(keep_t, dp_t * inv_keep, 0.0)
         delta = load_tile(delta_ptrs + start, row_ok, 0.0, EVEN)
@@ -122,7 +141,7 @@ def attn_bwd_dkdv_kernel(
     HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, BLOCKS_FASTEST: tl.constexpr, EVEN: tl.constexpr,
+    TMA: tl.constexpr, BLOCKS_FASTEST: tl.constexpr, EVEN: tl.constexpr, DP_FIRST: tl.constexpr,
 ):
     off_bhk, pid_n = head_and_block(tl.cdiv(max_seqlen_k, BLOCK_N), BLOCKS_FASTEST)
     off_b = (off_bhk // nheads_k).to(tl.int64)
@@ -186,21 +205,21 @@ def attn_bwd_dkdv_kernel(
             offs_n, n0, offs_d, lo, full_lo, seqlen_q, seqlen_k, window_left, window_right,
             qk_scale, cap_log2, softmax_scale, seed, offset, drop_head_rows, max_seqlen_k, dropout_p,
             HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION,
-            TMA, EVEN)
+            TMA, EVEN, DP_FIRST)
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptrs, delta_ptrs,
             stride_qs, stride_dos, stride_dqs,
             offs_n, n0, offs_d, full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right,
             qk_scale, cap_log2, softmax_scale, seed, offset, drop_head_rows, max_seqlen_k, dropout_p,
             HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION,
-            TMA, EVEN)
+            TMA, EVEN, DP_FIRST)
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptrs, delta_ptrs,
             stride_qs, stride_dos, stride_dqs,
             offs_n, n0, offs_d, full_hi, hi, seqlen_q, seqlen_k, window_left, window_right,
             qk_scale, cap_log2, softmax_scale, seed, offset, drop_head_rows, max_seqlen_k, dropout_p,
             HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION,
-            TMA, EVEN)
+            TMA, EVEN, DP_FIRST)
 
     dk = dk * softmax_scale
     if TMA:

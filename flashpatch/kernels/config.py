@@ -20,6 +20,7 @@ class LaunchConfig:
     num_stages: int = 1
     blocks_fastest: bool = False  # grid order (common.head_and_block): a head's blocks on consecutive programs
     tma: bool = False  # tensor (TMA) descriptors for tiles, where the GPU and the layout allow (ops.tma_usable)
+    dp_first: bool = False  # dK/dV only: dP before the softmax, so the dV matmul overlaps dS (backward._dkdv_inner)
 
 
 @dataclass(frozen=True)
@@ -111,9 +112,13 @@ def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool
         # Round 7 (tune_round7.json), n4096 / n8192 backward: 317 / 325 -> 344 / 352 TFLOP/s with one-warpgroup
         # dK/dV tiles over 64 keys: 83 KB of shared memory and 128 threads, so two programs share an SM and hide
         # each other's latency. They need TMA loads: with pointer tiles they spill. (With a mask they tie.)
+        # Round 16 (NOTES.md v18): dP first (dp_first), backward n4096 / 8192 / 16384 365 / 373 / 381 -> 374 / 392 /
+        # 397 TFLOP/s (means of four interleaved samples); with dropout it lost 1-2% (n8192 255 -> 249), and the
+        # masked 64 x 128 tile spilled more with it (the 1B recipe's dK/dV 0.189 -> 0.233 ms).
         cfg = KernelConfigs(
             fwd=LaunchConfig(128, 64 if dropout else 128, num_warps=8, num_stages=3, blocks_fastest=True),
-            bwd_dkdv=LaunchConfig(32, 64, num_warps=4, num_stages=3, blocks_fastest=True, tma=True),
+            bwd_dkdv=LaunchConfig(32, 64, num_warps=4, num_stages=3, blocks_fastest=True, tma=True,
+                                  dp_first=not dropout),
             bwd_dq=LaunchConfig(128, 64, num_warps=8, num_stages=3, blocks_fastest=True, tma=True),
             atomic_dq=False,
         )
