@@ -72,6 +72,11 @@ BWD = {
           ("atomic dQ", lambda c: dict(atomic_dq=True)),
           ("dkdv dp first", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, dp_first=True))),  # round 16
           ("dkdv dp last", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, dp_first=False))),
+          # round 16: one-warpgroup tiles (two blocks per SM, so no CTA barrier ties their warpgroups together)
+          ("dkdv 32x64 w4 s3 TMA dp first", lambda c: dict(bwd_dkdv=L(32, 64, 4, 3, c.bwd_dkdv.blocks_fastest, True,
+                                                                       dp_first=True))),
+          ("dkdv 64x64 w4 s3 TMA dp first", lambda c: dict(bwd_dkdv=L(64, 64, 4, 3, c.bwd_dkdv.blocks_fastest, True,
+                                                                       dp_first=True))),
           ("current, again", lambda c: {})],  # drift within the run
 }
 
