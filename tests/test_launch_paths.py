@@ -179,11 +179,13 @@ def test_atomic_dq_only_for_masked_d128_dropout_without_gqa():
 
 
 def test_dp_first_only_for_unmasked_d128_without_dropout():
-    # round 16 (config.py): dP first won only with the one-warpgroup unmasked d128 tile; it lost with dropout and
-    # spilled in the masked 64 x 128 tile
-    def dp_first(masked=False, dropout=False, headdim=128):
-        return kernel_config.configs_for(headdim, True, masked=masked, dropout=dropout, aligned=True).bwd_dkdv.dp_first
+    # round 16 (config.py): dP first won only with the one-warpgroup unmasked d128 tile on dense rows; it lost with
+    # dropout and spilled in the masked 64 x 128 tile
+    def dp_first(masked=False, dropout=False, headdim=128, aligned=True):
+        return kernel_config.configs_for(headdim, True, masked=masked, dropout=dropout,
+                                         aligned=aligned).bwd_dkdv.dp_first
     assert dp_first()
+    assert not dp_first(aligned=False)  # varlen and ragged rows: not measured
     assert not dp_first(dropout=True)
     assert not dp_first(masked=True)
     assert not dp_first(headdim=64)

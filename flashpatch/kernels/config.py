@@ -113,12 +113,13 @@ def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool
         # dK/dV tiles over 64 keys: 83 KB of shared memory and 128 threads, so two programs share an SM and hide
         # each other's latency. They need TMA loads: with pointer tiles they spill. (With a mask they tie.)
         # Round 16 (NOTES.md v18): dP first (dp_first), backward n4096 / 8192 / 16384 365 / 373 / 381 -> 374 / 392 /
-        # 397 TFLOP/s (means of four interleaved samples); with dropout it lost 1-2% (n8192 255 -> 249), and the
-        # masked 64 x 128 tile spilled more with it (the 1B recipe's dK/dV 0.189 -> 0.233 ms).
+        # 397 TFLOP/s (means of four interleaved samples, dense rows); with dropout it lost 1-2.4% (n8192 255 -> 249),
+        # and the masked 64 x 128 tile spilled more with it (the 1B recipe's dK/dV 0.189 -> 0.233 ms). Varlen
+        # batches, not measured, keep the old order.
         cfg = KernelConfigs(
             fwd=LaunchConfig(128, 64 if dropout else 128, num_warps=8, num_stages=3, blocks_fastest=True),
             bwd_dkdv=LaunchConfig(32, 64, num_warps=4, num_stages=3, blocks_fastest=True, tma=True,
-                                  dp_first=not dropout),
+                                  dp_first=aligned and not dropout),
             bwd_dq=LaunchConfig(128, 64, num_warps=8, num_stages=3, blocks_fastest=True, tma=True),
             atomic_dq=False,
         )
