@@ -105,7 +105,7 @@ def test_unmasked_tile_loads_match_reference(even_tiles, kwargs):
     check_against_reference(out, grads, q, k, v, dout, **kwargs)
 
 
-def dp_first(enabled: bool):
+def dp_first_override(enabled: bool):
     base = kernel_config.configs_for(64, False)
     return {"bwd_dkdv": replace(base.bwd_dkdv, dp_first=enabled)}
 
@@ -119,7 +119,7 @@ def dp_first(enabled: bool):
 def test_dp_first_dkdv_order_matches_reference(seqlens, kwargs):
     # LaunchConfig.dp_first: the dK/dV kernel computes dPᵀ before the softmax (backward._dkdv_inner)
     q, k, v = random_qkv(2, *seqlens, 4, 2, 32, torch.float32)
-    with kernel_config.override(**dp_first(True)):
+    with kernel_config.override(**dp_first_override(True)):
         out = flashpatch.flash_attn_func(q, k, v, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -133,7 +133,7 @@ def test_dp_first_dkdv_order_with_dropout_gives_the_same_gradients():
     grads = []
     for enabled in (False, True):
         torch.manual_seed(0)
-        with kernel_config.override(**dp_first(enabled)):
+        with kernel_config.override(**dp_first_override(enabled)):
             out = flashpatch.flash_attn_func(q, k, v, dropout_p=0.3, causal=True)
             grads.append(torch.autograd.grad(out, (q, k, v), dout))
     for plain, reordered in zip(*grads):
