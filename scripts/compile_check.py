@@ -58,6 +58,21 @@ def launch_hints(fn, constexprs):
             if name not in constexprs and name not in skip and (name.isupper() or name.startswith("stride_"))}
 
 
+def feature_constexprs(headdim, varlen=False, left=False, right=False, softcap=False, dropout=False):
+    """The feature flags every attention kernel takes (ops._common_flags at a launch), for 16-bit inputs."""
+    return dict(IS_VARLEN=varlen, HAS_LEFT=left, HAS_RIGHT=right, SOFTCAP=softcap, DROPOUT=dropout,
+                DOT_PRECISION="tf32", HEADDIM=headdim, BLOCK_D=triton.next_power_of_2(headdim))
+
+
+def launch_constexprs(fn, cfg, even):
+    """The constexprs one LaunchConfig sets for kernel fn, as ops.attn_fwd / attn_bwd pass them."""
+    launch = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "TMA": cfg.tma, "BLOCKS_FASTEST": cfg.blocks_fastest,
+              "EVEN": even}
+    if fn is attn_bwd_dkdv_kernel:
+        launch["DP_FIRST"] = cfg.dp_first
+    return launch
+
+
 def compile_one(fn, dtype, constexprs, arch, num_warps=4, num_stages=2):
     src = ASTSource(fn=fn, signature=signature(fn, dtype, constexprs), constexprs=constexprs,
                     attrs=launch_hints(fn, constexprs))
@@ -81,8 +96,7 @@ def main():
         [False, True]
     ):
         cfgs = kernel_config.configs_for(headdim, True, masked=left or right, dropout=dropout, aligned=not varlen)
-        flags = dict(IS_VARLEN=varlen, HAS_LEFT=left, HAS_RIGHT=right, SOFTCAP=softcap, DROPOUT=dropout,
-                     DOT_PRECISION="tf32", HEADDIM=headdim, BLOCK_D=headdim)
+        flags = feature_constexprs(headdim, varlen, left, right, softcap, dropout)
         # the forward tile for at most SHORT queries, where it differs
         short_fwd = kernel_config.configs_for(headdim, True, masked=left or right, dropout=dropout,
                                               aligned=not varlen, short=True).fwd
@@ -90,12 +104,11 @@ def main():
             (attn_fwd_kernel, cfgs.fwd, {}),
             *([(attn_fwd_kernel, short_fwd, {})] if short_fwd != cfgs.fwd else []),
             (attn_bwd_dq_kernel, cfgs.bwd_dq, {}),
-            (attn_bwd_dkdv_kernel, cfgs.bwd_dkdv, {"ATOMIC_DQ": False, "DP_FIRST": cfgs.bwd_dkdv.dp_first}),
-            (attn_bwd_dkdv_kernel, cfgs.bwd_dkdv, {"ATOMIC_DQ": True, "DP_FIRST": cfgs.bwd_dkdv.dp_first}),
+            (attn_bwd_dkdv_kernel, cfgs.bwd_dkdv, {"ATOMIC_DQ": False}),
+            (attn_bwd_dkdv_kernel, cfgs.bwd_dkdv, {"ATOMIC_DQ": True}),
         ):
-            launch = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "TMA": cfg.tma,
-                      "BLOCKS_FASTEST": cfg.blocks_fastest, "EVEN": not varlen}
-            compile_one(fn, dtype, {**flags, **extra, **launch}, args.arch, cfg.num_warps, cfg.num_stages)
+            compile_one(fn, dtype, {**flags, **extra, **launch_constexprs(fn, cfg, even=not varlen)}, args.arch,
+                        cfg.num_warps, cfg.num_stages)
             n += 1
     compile_one(attn_bwd_preprocess_kernel, "bf16",
                 {"HEADDIM": 80, "BLOCK_D": 128, "BLOCK_M": 128, "IS_VARLEN": True}, args.arch)

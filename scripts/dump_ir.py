@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import triton  # noqa: E402
 
-from compile_check import compile_one  # noqa: E402
+from compile_check import compile_one, feature_constexprs, launch_constexprs  # noqa: E402
 from flashpatch.kernels.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel  # noqa: E402
+from flashpatch.kernels.config import LaunchConfig  # noqa: E402
 from flashpatch.kernels.forward import attn_fwd_kernel  # noqa: E402
 
 KERNELS = {"fwd": attn_fwd_kernel, "dkdv": attn_bwd_dkdv_kernel, "dq": attn_bwd_dq_kernel}
@@ -43,12 +44,13 @@ def main():
     parser.add_argument("--dp-first", action="store_true")
     parser.add_argument("--out", default="runs/ir")
     args = parser.parse_args()
-    flags = dict(IS_VARLEN=False, HAS_LEFT=False, HAS_RIGHT=args.causal, SOFTCAP=False, DROPOUT=args.dropout,
-                 DOT_PRECISION="tf32", HEADDIM=args.headdim, BLOCK_D=triton.next_power_of_2(args.headdim),
-                 BLOCK_M=args.tile[0], BLOCK_N=args.tile[1], TMA=args.tma, BLOCKS_FASTEST=False, EVEN=True)
+    fn = KERNELS[args.kernel]
+    cfg = LaunchConfig(*args.tile, args.warps, args.stages, tma=args.tma, dp_first=args.dp_first)
+    flags = {**feature_constexprs(args.headdim, right=args.causal, dropout=args.dropout),
+             **launch_constexprs(fn, cfg, even=True)}
     if args.kernel == "dkdv":
-        flags.update(ATOMIC_DQ=args.atomic_dq, DP_FIRST=args.dp_first)
-    kernel = compile_one(KERNELS[args.kernel], "bf16", flags, 90, args.warps, args.stages)
+        flags["ATOMIC_DQ"] = args.atomic_dq
+    kernel = compile_one(fn, "bf16", flags, 90, cfg.num_warps, cfg.num_stages)
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
