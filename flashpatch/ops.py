@@ -15,6 +15,7 @@ import torch
 import triton
 
 from flashpatch.kernels import config as kernel_config
+from flashpatch.kernels import hopper_dkdv
 from flashpatch.kernels.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from flashpatch.kernels.dropout_mask import dropout_mask_kernel
 from flashpatch.kernels.forward import attn_fwd_kernel
@@ -193,6 +194,25 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed_offs
         _lse_shape(q, varlen), dtype=torch.float32)
 
 
+def _launch_dkdv(q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k, varlen,
+                 nheads, nheads_k, batch, max_seqlen_q, max_seqlen_k, qk_scale, cap_log2, softmax_scale, dropout_p,
+                 window_left, window_right, headdim, block_d, atomic_dq, tma_dkdv, cfgs, flags) -> None:
+    """The Triton dK/dV kernel (backward.py), which covers every case."""
+    c = cfgs.bwd_dkdv
+    attn_bwd_dkdv_kernel[_grid(batch * nheads_k, triton.cdiv(max_seqlen_k, c.block_n), c.blocks_fastest)](
+        q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k,
+        *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
+        *_seq_strides(dout, varlen), *_seq_strides(dq_accum, varlen), *_seq_strides(dk, varlen),
+        *_seq_strides(dv, varlen), *_lse_strides(lse, varlen),
+        nheads, nheads_k, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
+        qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
+        HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq, TMA=tma_dkdv,
+        BLOCKS_FASTEST=c.blocks_fastest, EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_q, c.block_m),
+        DP_FIRST=c.dp_first, **flags,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+
+
 @torch.library.custom_op("flashpatch::attn_bwd", mutates_args=(), device_types=("cuda", "cpu"))
 def attn_bwd(
     dout: torch.Tensor,
@@ -250,18 +270,15 @@ def attn_bwd(
     if tma_dkdv or tma_dq:
         _ensure_allocator()
     c = cfgs.bwd_dkdv
-    attn_bwd_dkdv_kernel[_grid(batch * nheads_k, triton.cdiv(max_seqlen_k, c.block_n), c.blocks_fastest)](
-        q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k,
-        *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
-        *_seq_strides(dout, varlen), *_seq_strides(dq_accum, varlen), *_seq_strides(dk, varlen),
-        *_seq_strides(dv, varlen), *_lse_strides(lse, varlen),
-        nheads, nheads_k, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
-        qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
-        HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq, TMA=tma_dkdv,
-        BLOCKS_FASTEST=c.blocks_fastest, EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_q, c.block_m),
-        DP_FIRST=c.dp_first, **flags,
-        num_warps=c.num_warps, num_stages=c.num_stages,
-    )
+    if cfgs.gluon_dkdv and not atomic_dq and hopper_dkdv.supported(
+            q, k, v, dout, varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            window_left=window_left, window_right=window_right, softcap=softcap, dropout_p=dropout_p):
+        hopper_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale,
+                                  causal=window_right == 0)
+    else:
+        _launch_dkdv(q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k, varlen,
+                     nheads, nheads_k, batch, max_seqlen_q, max_seqlen_k, qk_scale, cap_log2, softmax_scale,
+                     dropout_p, window_left, window_right, headdim, block_d, atomic_dq, tma_dkdv, cfgs, flags)
     if atomic_dq:
         dq.copy_(dq_accum)
     else:

@@ -9,6 +9,7 @@ import torch
 
 import flashpatch
 from flashpatch.kernels import config as kernel_config
+from flashpatch.kernels import hopper_dkdv
 from flashpatch.padding import cu_seqlens_from_lengths
 from flashpatch.reference import varlen_attention_reference
 from tests.helpers import check_against_reference, random_qkv
@@ -74,6 +75,42 @@ def test_tma_tiles_in_every_kernel_bf16(atomic_dq, causal):
         out = flashpatch.flash_attn_func(q, k, v, causal=causal)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_against_reference(out, grads, q, k, v, dout, causal=causal)
+
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, memory order)
+GLUON_DKDV_CASES = [
+    (2, 1024, 1024, 8, 2, 128, True, "bshd"),
+    (1, 640, 1152, 4, 2, 128, True, "bshd"),  # Sq < Sk: causal aligned bottom-right
+    (2, 384, 128, 4, 1, 128, True, "bshd"),  # Sq > Sk: the first 256 queries see no key
+    (2, 512, 512, 4, 4, 128, False, "bhsd"),  # (B, H, S, D) in memory, as transformers' projections give
+    (1, 1024, 2048, 2, 1, 64, False, "bshd"),  # head dim 64: supported, not chosen by config.py
+]
+
+
+@pytest.mark.skipif(not hopper_dkdv.AVAILABLE or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon dK/dV kernel is for sm_90")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", GLUON_DKDV_CASES, ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-d{c[5]}-"
+                         f"{'causal' if c[6] else 'full'}-{c[7]}")
+def test_gluon_dkdv_matches_float64(case, dtype, monkeypatch):
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order = case
+    launch, calls = hopper_dkdv.attn_bwd_dkdv, []
+    monkeypatch.setattr(hopper_dkdv, "attn_bwd_dkdv", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+
+    def tensor(seqlen, heads):
+        if order == "bhsd":
+            return torch.randn(batch, heads, seqlen, headdim, device="cuda", dtype=dtype).transpose(1, 2)
+        return torch.randn(batch, seqlen, heads, headdim, device="cuda", dtype=dtype)
+
+    torch.manual_seed(0)
+    q, k, v = (tensor(n, h).requires_grad_() for n, h in ((seqlen_q, nheads), (seqlen_k, nheads_k),
+                                                           (seqlen_k, nheads_k)))
+    with kernel_config.override(gluon_dkdv=True):
+        out = flashpatch.flash_attn_func(q, k, v, causal=causal)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert calls, "the Gluon dK/dV kernel did not run"
     check_against_reference(out, grads, q, k, v, dout, causal=causal)
 
 

@@ -198,3 +198,38 @@ def test_ops_tell_config_whether_heads_are_grouped(configs_for_calls):
         q, k, v = random_qkv(1, 17, 17, 2, nheads_k, 32, torch.float32)
         flashpatch.flash_attn_func(q, k, v, causal=True).sum().backward()
         assert [args[6] for args in configs_for_calls] == [grouped, grouped]
+
+
+@pytest.mark.parametrize("order", ["bshd", "bhsd", "sbhd"])
+def test_gluon_rows_view_addresses_each_heads_rows(order):
+    from flashpatch.kernels import hopper_dkdv
+
+    batch, seqlen, heads, headdim = 3, 8, 5, 4
+    physical = {"bshd": (0, 1, 2, 3), "bhsd": (0, 2, 1, 3), "sbhd": (1, 0, 2, 3)}[order]
+    shape = [(batch, seqlen, heads, headdim)[i] for i in physical]
+    t = torch.arange(batch * seqlen * heads * headdim, dtype=torch.float32).view(shape)
+    t = t.permute([physical.index(i) for i in range(4)])  # seen as (B, S, H, D)
+    view = hopper_dkdv.rows_view(t)
+    if order == "sbhd":  # a (batch, head)'s positions are not evenly spaced rows of any 2-D view
+        assert view is None
+        return
+    view_shape, strides, (rows_b, rows_h), cols_h = view
+    flat = torch.as_strided(t, view_shape, strides)
+    for b, h in [(0, 0), (2, 4), (1, 3)]:
+        rows = flat[b * rows_b + h * rows_h:][:seqlen, h * cols_h:][:, :headdim]
+        assert torch.equal(rows, t[b, :, h])
+
+
+def test_gluon_dkdv_only_on_sm90_cuda_tensors():
+    from flashpatch.kernels import hopper_dkdv
+
+    q, k, v = random_qkv(1, 128, 128, 2, 2, 128, torch.float16, requires_grad=False)
+    assert not hopper_dkdv.supported(q, k, v, q, varlen=False, max_seqlen_q=128, max_seqlen_k=128, window_left=-1,
+                                     window_right=0, softcap=0.0, dropout_p=0.0)
+
+
+def test_gluon_dkdv_chosen_for_d128_only():
+    for masked in (False, True):
+        assert kernel_config.configs_for(128, True, masked=masked, aligned=True).gluon_dkdv
+        assert not kernel_config.configs_for(64, True, masked=masked, aligned=True).gluon_dkdv
+        assert not kernel_config.configs_for(128, False, masked=masked).gluon_dkdv

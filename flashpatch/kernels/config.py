@@ -30,6 +30,10 @@ class KernelConfigs:
     bwd_dq: LaunchConfig
     atomic_dq: bool  # accumulate dQ inside the dK/dV kernel (not deterministic) instead of a separate dQ pass
     even_tiles: bool = True  # inner-loop loads without bounds masks when the lengths divide the tiles (ops._even)
+    # The warp-specialized Gluon dK/dV kernel (kernels/hopper_dkdv.py) wherever it applies (its `supported`: sm_90,
+    # dense rows dividing its tiles, causal or unmasked, no dropout or softcap); the Triton kernel elsewhere.
+    # Round 17 (NOTES.md v19): d128 dK/dV 13-21% faster; at d64 within 3% of the Triton kernel, so off there.
+    gluon_dkdv: bool = False
 
 
 _OVERRIDE: dict = {}
@@ -107,6 +111,7 @@ def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool
             bwd_dkdv=LaunchConfig(64 if aligned else 32, 128, num_warps=8, num_stages=3),
             bwd_dq=LaunchConfig(128, 64, num_warps=8, num_stages=3, tma=True),
             atomic_dq=dropout and not grouped,  # round 15: see the docstring
+            gluon_dkdv=True,
         )
     elif block_d <= 128:
         # Round 7 (tune_round7.json), n4096 / n8192 backward: 317 / 325 -> 344 / 352 TFLOP/s with one-warpgroup
@@ -122,6 +127,7 @@ def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool
                                   dp_first=aligned and not dropout),
             bwd_dq=LaunchConfig(128, 64, num_warps=8, num_stages=3, blocks_fastest=True, tma=True),
             atomic_dq=False,
+            gluon_dkdv=True,
         )
     else:  # head dim 256: register pressure; small tiles (not yet tuned)
         cfg = KernelConfigs(

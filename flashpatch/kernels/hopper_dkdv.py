@@ -1,0 +1,265 @@
+"""dK/dV for Hopper (sm_90) written in Gluon, with warp specialization: one producer warp and two consumer
+warpgroups per program, synchronised by mbarriers instead of CTA-wide barriers.
+
+Why: the Triton dK/dV kernel's pipelined loop has two CTA barriers per step (after the copy wait, before a stage is
+refilled), which keep its two warpgroups in lockstep, so neither fills the other's softmax gaps with matmuls
+(NOTES v18: 45% of its issue gaps are barrier waits). Triton 3.6 does not warp-specialize that loop. Here:
+
+  producer (1 warp):     K, V of the program's 128 keys once; then, per step, TMA loads of the (64, D) tiles of Q
+                         and dO into a ring of STAGES buffers, each signalled by its `ready` mbarrier.
+  consumer w (4 warps):  keys [n0 + 64 w, n0 + 64 w + 64): per step, Sᵀ = K Qᵀ and dPᵀ = V dOᵀ issued together,
+                         P from Sᵀ while dPᵀ runs, dV += Pᵀ dO issued, dS from dPᵀ while dV runs, dK += dSᵀ Q;
+                         the stage is released (`empty`, one arrival per consumer) once the next step's Sᵀ is
+                         done, which, matmuls completing in order, means this step's dV and dK are too.
+
+The two consumers never wait for each other, only for the producer, so one's softmax runs under the other's matmuls
+(the Triton kernel's CTA barriers forbid that). dK and dV are waited for at the end of each step: leaving them in
+flight into the next (CARRY) makes ptxas serialize the matmuls (warning C7515) and measured 15-20% slower.
+
+The steps run over the query heads of the program's GQA group and, within a head, over the query blocks that see
+the program's keys. Scope, checked by `supported`: dense rows whose lengths divide the tiles, bf16/fp16, head dim
+64 or 128, causal (bottom-right aligned) or no mask, no window, softcap or dropout. Everything else, and every
+machine that is not sm_90 with Gluon, keeps the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+try:  # Gluon is experimental: its module layout has changed between Triton releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    AVAILABLE = False
+
+BLOCK_M = {64: 64, 128: 64}  # queries per step, by head dim
+HALF_N = 64  # keys per consumer warpgroup
+BLOCK_N = 2 * HALF_N  # keys per program
+STAGES = 2  # Q/dO ring depth (3 within noise: scripts/gluon_dkdv_check.py)
+CARRY = False  # leave dK and dV matmuls in flight into the next step (slower: scripts/gluon_dkdv_check.py)
+HEADS_FASTEST = None  # grid order; None: `heads_fastest` decides
+MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
+
+
+if AVAILABLE:
+    LOG2E = gl.constexpr(1.4426950408889634)
+
+    @gluon.jit
+    def _step_position(i, m_lo, n_mblocks, BLOCK_M: gl.constexpr):
+        """Step i of a program: (head in the GQA group, first query row)."""
+        g = i // n_mblocks
+        return g, m_lo + (i - g * n_mblocks) * BLOCK_M
+
+    @gluon.jit
+    def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
+                  q_row, q_row_per_head, q_col, q_col_per_head, do_row, do_row_per_head, do_col, do_col_per_head,
+                  k_row, k_col, v_row, v_col, m_lo, n_mblocks, total,
+                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [v_row, v_col], kv_bar, v_smem)
+        for i in range(total):
+            s = i % STAGES
+            g, m0 = _step_position(i, m_lo, n_mblocks, BLOCK_M)
+            # a fresh mbarrier counts as having completed the phase before 0, so the first lap does not wait
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row + g * q_row_per_head + m0, q_col + g * q_col_per_head],
+                                            bar, q_bufs.index(s))
+            tma.async_copy_global_to_shared(do_desc, [do_row + g * do_row_per_head + m0,
+                                                      do_col + g * do_col_per_head], bar, do_bufs.index(s))
+
+    @gluon.jit
+    def _consumer(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
+                  LSE, DELTA, DK, DV, lse_base, lse_per_head, dk_base, stride_dks, dv_base, stride_dvs,
+                  n0, shift, m_lo, n_mblocks, total, qk_scale, softmax_scale,
+                  WG: gl.constexpr, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                  HALF_N: gl.constexpr, STAGES: gl.constexpr, CARRY: gl.constexpr):
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])  # (keys, queries)
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEADDIM, 16])  # (keys, D)
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        dtype: gl.constexpr = q_bufs.dtype
+
+        k_s = k_smem.slice(WG * HALF_N, HALF_N)  # (HALF_N, D)
+        v_s = v_smem.slice(WG * HALF_N, HALF_N)
+        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        offs_n = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
+        zero_s = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)
+        # accumulators stay in flight across steps, so the loop carries them as pending matmul results
+        dk = warpgroup_mma_init(gl.zeros([HALF_N, HEADDIM], gl.float32, acc_layout))
+        dv = warpgroup_mma_init(gl.zeros([HALF_N, HEADDIM], gl.float32, acc_layout))
+
+        mbarrier.wait(kv_bar, 0)
+        for i in range(total):
+            s = i % STAGES
+            g, m0 = _step_position(i, m_lo, n_mblocks, BLOCK_M)
+            rows = lse_base + g * lse_per_head + m0 + offs_m
+            lse_log2 = gl.load(LSE + rows) * LOG2E  # (BM,) issued early: used after the Sᵀ matmul
+            delta = gl.load(DELTA + rows)
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            q_s = q_bufs.index(s)  # (BM, D)
+            do_s = do_bufs.index(s)
+            s_t = warpgroup_mma(k_s, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (HALF_N, BM)
+            dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s_t = warpgroup_mma_wait(1, deps=(s_t, ))
+            # matmuls complete in issue order: the previous step's dV and dK, issued before Sᵀ, are done too, so
+            # their stage can be refilled
+            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+            p_t = gl.exp2(s_t * qk_scale - lse_log2[None, :])
+            if CAUSAL:  # bottom-right aligned: key n is visible from query m when n <= m + Sk - Sq
+                p_t = gl.where(offs_n[:, None] <= (m0 + shift) + offs_m[None, :], p_t, 0.0)
+            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
+            dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_s, dk, is_async=True)
+            if not CARRY:  # wait here instead of in the next step (ptxas serializes matmuls carried across steps)
+                dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+                dk = warpgroup_mma_init(dk)
+                dv = warpgroup_mma_init(dv)
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+
+        offs_key = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, acc_layout))
+        offs_d = gl.arange(0, HEADDIM, layout=gl.SliceLayout(0, acc_layout))
+        gl.store(DK + dk_base + offs_key[:, None] * stride_dks + offs_d[None, :], (dk * softmax_scale).to(dtype))
+        gl.store(DV + dv_base + offs_key[:, None] * stride_dvs + offs_d[None, :], dv.to(dtype))
+
+    @gluon.jit
+    def attn_bwd_dkdv_hopper_kernel(
+        q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV,
+        q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
+        stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lse_b, stride_lse_h,
+        nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+        CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
+        STAGES: gl.constexpr, HEADS_FASTEST: gl.constexpr, CARRY: gl.constexpr,
+    ):
+        BLOCK_N: gl.constexpr = 2 * HALF_N
+        num_n = gl.cdiv(seqlen_k, BLOCK_N)
+        pid = gl.program_id(0)
+        if HEADS_FASTEST:  # causal: every head's heaviest key blocks (those seeing the most queries) first
+            off_bhk = pid % (gl.num_programs(0) // num_n)
+            pid_n = pid // (gl.num_programs(0) // num_n)
+        else:  # unmasked: a head's key blocks side by side, so they share its Q and dO tiles in L2
+            off_bhk = pid // num_n
+            pid_n = pid % num_n
+        off_b = off_bhk // nheads_k
+        off_hk = off_bhk % nheads_k
+        off_h0 = off_hk * group_size
+        n0 = pid_n * BLOCK_N
+        shift = seqlen_k - seqlen_q
+        m_lo = 0
+        if CAUSAL:
+            m_lo = (gl.maximum(n0 - shift, 0) // BLOCK_M) * BLOCK_M
+        n_mblocks = gl.cdiv(gl.maximum(seqlen_q - m_lo, 0), BLOCK_M)
+        total = group_size * n_mblocks
+
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(kv_bar, count=1)
+        fence_async_shared()
+
+        lse_base = off_b * stride_lse_b + off_h0 * stride_lse_h
+        dk_base = off_b * stride_dkb + off_hk * stride_dkh
+        dv_base = off_b * stride_dvb + off_hk * stride_dvh
+        gl.warp_specialize([
+            (_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
+                         lse_base, stride_lse_h, dk_base, stride_dks, dv_base, stride_dvs,
+                         n0, shift, m_lo, n_mblocks, total, qk_scale, softmax_scale,
+                         0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, CARRY)),
+            (_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
+                         lse_base, stride_lse_h, dk_base, stride_dks, dv_base, stride_dvs,
+                         n0, shift, m_lo, n_mblocks, total, qk_scale, softmax_scale,
+                         1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, CARRY)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
+                         off_b * q_rows[0] + off_h0 * q_rows[1], q_rows[1], off_h0 * q_cols, q_cols,
+                         off_b * do_rows[0] + off_h0 * do_rows[1], do_rows[1], off_h0 * do_cols, do_cols,
+                         off_b * k_rows[0] + off_hk * k_rows[1] + n0, off_hk * k_cols,
+                         off_b * v_rows[0] + off_hk * v_rows[1] + n0, off_hk * v_cols,
+                         m_lo, n_mblocks, total, BLOCK_M, STAGES)),
+        ], [4, 1], [232, 24])
+
+
+def rows_view(t: torch.Tensor):
+    """A 2-D view of a (B, S, H, D) tensor for a TMA descriptor in which the S positions of one (batch, head) are
+    consecutive rows, or None if its strides allow none.
+
+    Returns (shape, strides, (rows per batch, rows per head), columns per head): the tile of batch b, head h,
+    positions m.. starts at row b * rows_b + h * rows_h + m, column h * cols_h."""
+    B, S, H, D = t.shape
+    sb, ss, sh, sd = t.stride()
+    if sd != 1:
+        return None
+    if (sh == D or H == 1) and (sb == S * ss or B == 1):  # (B, S, H, D) order: a row holds every head
+        return [B * S, H * D], [ss, 1], (S, 0), D
+    if (ss == D or S == 1) and (sh == S * D or H == 1) and (sb == H * S * D or B == 1):  # (B, H, S, D) order
+        return [B * H * S, D], [D, 1], (H * S, S), 0
+    return None
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, varlen: bool,
+              max_seqlen_q: int, max_seqlen_k: int, window_left: int, window_right: int, softcap: float,
+              dropout_p: float) -> bool:
+    """Whether this kernel covers the call: sm_90 with Gluon, dense rows whose lengths divide the tiles, bf16/fp16,
+    head dim 64 or 128, causal or unmasked. Anything else keeps the Triton kernel."""
+    if not (AVAILABLE and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
+        return False
+    if varlen or softcap > 0 or dropout_p > 0 or window_left >= 0 or window_right not in (-1, 0):
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128):
+        return False
+    if max_seqlen_q % BLOCK_M[q.shape[-1]] or max_seqlen_k % BLOCK_N:
+        return False
+    return all(rows_view(t) is not None and t.data_ptr() % 16 == 0 and t.numel() < 2**31  # 32-bit offsets
+               for t in (q, k, v, dout))
+
+
+def heads_fastest(causal: bool, seqlen_k: int) -> bool:
+    """Grid order. A head's key blocks on consecutive programs share its Q and dO tiles in L2, which wins on long
+    rows (d128 n4096 causal, dK/dV: 1.14 -> 1.00 ms; unmasked 1.97 -> 1.78). With a causal mask on short rows the
+    grid is a couple of waves of very unequal programs, and starting every head's heaviest key block first balances
+    them (the 1B recipe's n1024: 0.23 -> 0.17 ms). scripts/gluon_dkdv_check.py, H200."""
+    return causal and seqlen_k <= 1024
+
+
+def _descriptor(t: torch.Tensor, block_rows: int):
+    shape, strides, rows, cols = rows_view(t)
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, t.shape[-1]], gl.float16 if t.dtype == torch.float16
+                                                  else gl.bfloat16)
+    return TensorDescriptor(t, shape, strides, [block_rows, t.shape[-1]], layout), rows, cols
+
+
+def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_scale: float, causal: bool) -> None:
+    """dK, dV (written into dk, dv) for a call `supported` accepted. q, dout: (B, Sq, H, D); k, v: (B, Sk, Hk, D);
+    lse, delta: (B, H, Sq) fp32 (natural-log LSE); qk_scale = softmax_scale * log2(e)."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    block_m = BLOCK_M[headdim]
+    q_desc, q_rows, q_cols = _descriptor(q, block_m)
+    do_desc, do_rows, do_cols = _descriptor(dout, block_m)
+    k_desc, k_rows, k_cols = _descriptor(k, BLOCK_N)
+    v_desc, v_rows, v_cols = _descriptor(v, BLOCK_N)
+    grid = (batch * nheads_k * triton.cdiv(seqlen_k, BLOCK_N),)
+    attn_bwd_dkdv_hopper_kernel[grid](
+        q_desc, do_desc, k_desc, v_desc, lse, delta, dk, dv,
+        q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        lse.stride(0), lse.stride(1),
+        nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+        CAUSAL=causal, HEADDIM=headdim, BLOCK_M=block_m, HALF_N=HALF_N, STAGES=STAGES, HEADS_FASTEST=heads_fastest(causal, seqlen_k) if HEADS_FASTEST is None else HEADS_FASTEST,
+        CARRY=CARRY, num_warps=4, maxnreg=MAXNREG,
+    )

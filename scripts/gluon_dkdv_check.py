@@ -1,0 +1,138 @@
+"""The Gluon Hopper dK/dV kernel (flashpatch/kernels/hopper_dkdv.py) against the Triton one: gradients against the
+float64 reference, then GPU kernel time (torch profiler) per variant. GPU only (sm_90).
+
+    python scripts/gluon_dkdv_check.py [--skip-check] [--shapes 1b,c8k,f8k] [--variants triton,s2,s2nc,s3]
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import flashpatch  # noqa: E402
+from flashpatch import reference  # noqa: E402
+from flashpatch.kernels import config as kc  # noqa: E402
+from flashpatch.kernels import hopper_dkdv as hk  # noqa: E402
+from profile_kernels import kernel_times  # noqa: E402
+
+CALLS = {"n": 0}
+_launch = hk.attn_bwd_dkdv
+
+
+def _counted(*args, **kwargs):
+    CALLS["n"] += 1
+    return _launch(*args, **kwargs)
+
+
+hk.attn_bwd_dkdv = _counted
+
+# name: (batch, seqlen_q, seqlen_k, heads, kv heads, head dim, causal)
+SHAPES = {
+    "1b": (8, 1024, 1024, 16, 4, 128, True),  # the 1B recipe's attention
+    "c4k": (4, 4096, 4096, 16, 16, 128, True),
+    "c8k": (2, 8192, 8192, 16, 16, 128, True),
+    "f4k": (4, 4096, 4096, 16, 16, 128, False),
+    "f8k": (2, 8192, 8192, 16, 16, 128, False),
+    "d64c8k": (2, 8192, 8192, 32, 32, 64, True),
+}
+VARIANTS = {  # name: (gluon, stages, carry, heads fastest: None = hopper_dkdv.heads_fastest)
+    "triton": (False, 3, False, None),
+    "gluon": (True, 3, False, None),
+    "gluon s2": (True, 2, False, None),
+    "gluon heads first": (True, 3, False, True),
+    "gluon blocks first": (True, 3, False, False),
+    "gluon carry": (True, 3, True, None),
+}
+
+
+def grads(q, k, v, dout, causal, gluon):
+    with kc.override(gluon_dkdv=gluon):
+        out = flashpatch.flash_attn_func(q, k, v, causal=causal)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+
+def reference_grads(q, k, v, dout, causal, upcast):
+    leaves = [t.detach().double().requires_grad_() if upcast else t.detach().clone().requires_grad_()
+              for t in (q, k, v)]
+    out, _ = reference.attention_reference(*leaves, causal=causal, upcast=upcast)
+    return torch.autograd.grad(out, leaves, dout.double() if upcast else dout)
+
+
+def check():
+    torch.manual_seed(0)
+    cases = [  # batch, Sq, Sk, H, Hk, D, causal, layout
+        (2, 256, 256, 4, 4, 128, True, "bshd"), (2, 256, 256, 4, 4, 128, False, "bshd"),
+        (1, 128, 384, 8, 2, 128, True, "bshd"), (2, 384, 128, 4, 1, 64, True, "bshd"),
+        (2, 256, 256, 4, 4, 128, True, "bhsd"), (1, 1024, 1024, 6, 3, 64, False, "bhsd"),
+        (1, 640, 1152, 4, 2, 128, True, "bshd16"), (3, 192, 192, 2, 2, 64, False, "bshd16"),
+    ]
+    ok = True
+    for b, sq, sk, h, hk_, d, causal, layout in cases:
+        dtype = torch.float16 if layout.endswith("16") else torch.bfloat16
+
+        def make(s, heads):
+            if layout == "bhsd":  # (B, H, S, D) in memory, seen as (B, S, H, D)
+                return torch.randn(b, heads, s, d, device="cuda", dtype=dtype).transpose(1, 2)
+            return torch.randn(b, s, heads, d, device="cuda", dtype=dtype)
+        q, k, v = make(sq, h).requires_grad_(), make(sk, hk_).requires_grad_(), make(sk, hk_).requires_grad_()
+        dout = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
+        before = CALLS["n"]
+        g_gluon = grads(q, k, v, dout, causal, True)
+        used = CALLS["n"] > before
+        g_triton = grads(q, k, v, dout, causal, False)
+        g_ref = reference_grads(q, k, v, dout, causal, True)
+        g_low = reference_grads(q, k, v, dout, causal, False)
+        line = []
+        for name, gg, gt, gr, gl_ in zip("qkv", g_gluon, g_triton, g_ref, g_low):
+            e_gluon = (gg.double() - gr).abs().max().item()
+            e_triton = (gt.double() - gr).abs().max().item()
+            e_low = (gl_.double() - gr).abs().max().item()
+            good = e_gluon <= 3 * e_low + 1e-5 and not torch.isnan(gg).any().item()
+            ok &= good
+            line.append(f"d{name} {e_gluon:.2e}/{e_triton:.2e}/{e_low:.2e}{'' if good else ' FAIL'}")
+        print(f"B{b} Sq{sq} Sk{sk} H{h}:{hk_} d{d} {'causal' if causal else 'full'} {layout} gluon used={used}: "
+              f"max |err| vs fp64 gluon/triton/bf16-torch: " + "; ".join(line), flush=True)
+        ok &= used == (sk % hk.BLOCK_N == 0)  # 192 keys: not a multiple of the key tile, so the Triton kernel
+    print("CHECK", "PASS" if ok else "FAIL", flush=True)
+
+
+def timing(shapes, variants):
+    print("| shape | variant | dK/dV ms | backward ms | backward TFLOP/s |\n|---|---|---|---|---|")
+    for shape in shapes:
+        b, sq, sk, h, hk_, d, causal = SHAPES[shape]
+        q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(b, sk, hk_, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+        dout = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
+        flops = 2.5 * 4 * b * h * sq * sk * d / (2 if causal else 1)
+        for name in variants:
+            gluon, hk.STAGES, hk.CARRY, order = VARIANTS[name]
+            hk.HEADS_FASTEST = order
+
+            def step():
+                grads(q, k, v, dout, causal, gluon)
+            try:
+                times = dict(kernel_times(step, iters=20))
+            except Exception as err:  # noqa: BLE001 - a variant that does not build is a result
+                print(f"| {shape} | {name} | failed: {type(err).__name__}: {str(err)[:200]} | | |", flush=True)
+                continue
+            dkdv = sum(t for key, t in times.items() if "dkdv" in key)
+            bwd = sum(t for key, t in times.items() if key.startswith("attn_bwd"))
+            print(f"| {shape} | {name} | {dkdv:.3f} | {bwd:.3f} | {flops / bwd * 1e-9:.0f} |", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--shapes", default="1b,c4k,c8k,f4k,f8k,d64c8k")
+    parser.add_argument("--variants", default="triton,gluon")
+    args = parser.parse_args()
+    if not args.skip_check:
+        check()
+    timing(args.shapes.split(","), args.variants.split(","))
+
+
+if __name__ == "__main__":
+    main()
