@@ -15,7 +15,7 @@ import torch
 import triton
 
 from flashpatch.kernels import config as kernel_config
-from flashpatch.kernels import hopper_dkdv
+from flashpatch.kernels import hopper_dkdv, hopper_dq, hopper_fwd
 from flashpatch.kernels.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from flashpatch.kernels.dropout_mask import dropout_mask_kernel
 from flashpatch.kernels.forward import attn_fwd_kernel
@@ -165,6 +165,11 @@ def attn_fwd(
     if out.numel() == 0:
         return out, lse
     cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p)
+    if cfgs.gluon_fwd and hopper_fwd.supported(
+            q, k, v, varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
+            window_right=window_right, softcap=softcap, dropout_p=dropout_p):
+        hopper_fwd.attn_fwd(q, k, v, out, lse, _scales(softmax_scale, softcap)[0], causal=window_right == 0)
+        return out, lse
     cfg = cfgs.fwd
     tma = cfg.tma and tma_usable(headdim, q, k, v, out)
     if tma:
@@ -281,6 +286,10 @@ def attn_bwd(
                      dropout_p, window_left, window_right, headdim, block_d, atomic_dq, tma_dkdv, cfgs, flags)
     if atomic_dq:
         dq.copy_(dq_accum)
+    elif cfgs.gluon_dq and hopper_dq.supported(
+            q, k, v, dout, varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            window_left=window_left, window_right=window_right, softcap=softcap, dropout_p=dropout_p):
+        hopper_dq.attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale, softmax_scale, causal=window_right == 0)
     else:
         c = cfgs.bwd_dq
         attn_bwd_dq_kernel[_grid(batch * nheads, triton.cdiv(max_seqlen_q, c.block_m), c.blocks_fastest)](

@@ -1,7 +1,7 @@
-"""Compile the Gluon Hopper dK/dV kernel (flashpatch/kernels/hopper_dkdv.py) for sm_90 without a GPU and report
-shared memory, registers and spills, and the barriers in its PTX.
+"""Compile a Gluon Hopper kernel (flashpatch/kernels/hopper_fwd.py, hopper_dkdv.py) for sm_90 without a GPU and
+report shared memory, registers and spills, and the barriers in its PTX.
 
-    PYTHONPATH=/tmp/t36 python scripts/dump_gluon.py [--headdim 128] [--causal] [--stages 2] [--maxnreg 168]
+    PYTHONPATH=/tmp/t36 python scripts/dump_gluon.py {dkdv,fwd} [--headdim 128] [--causal] [--stages 2]
 """
 
 import argparse
@@ -19,38 +19,53 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from flashpatch.kernels import hopper_dkdv as hk  # noqa: E402
+from flashpatch.kernels import hopper_dq as hq  # noqa: E402
+from flashpatch.kernels import hopper_fwd as hf  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("kernel", choices=["dkdv", "dq", "fwd"])
+    parser.add_argument("--block-n", type=int, default=0)
     parser.add_argument("--headdim", type=int, default=128)
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--stages", type=int, default=hk.STAGES)
-    parser.add_argument("--maxnreg", type=int, default=hk.MAXNREG)
+    parser.add_argument("--stages", type=int, default=0, help="0: the module's STAGES")
     parser.add_argument("--no-carry", action="store_true")
+    parser.add_argument("--skew", action="store_true")
     parser.add_argument("--block-m", type=int, default=0)
     parser.add_argument("--out", default="runs/ir")
     args = parser.parse_args()
     d = args.headdim
-    bm = args.block_m or hk.BLOCK_M[d]
-    q_layout = gl.NVMMASharedLayout.get_default_for([bm, d], gl.bfloat16)
-    k_layout = gl.NVMMASharedLayout.get_default_for([hk.BLOCK_N, d], gl.bfloat16)
-    qd = f"tensordesc<bf16[{bm}, {d}],{q_layout!r}>"
-    kd = f"tensordesc<bf16[{hk.BLOCK_N}, {d}],{k_layout!r}>"
-    fn = hk.attn_bwd_dkdv_hopper_kernel
-    consts = dict(CAUSAL=args.causal, HEADDIM=d, BLOCK_M=bm, HALF_N=hk.HALF_N, STAGES=args.stages, CARRY=not args.no_carry and hk.CARRY,
-                  HEADS_FASTEST=args.causal)
+
+    def desc(rows):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {d}],{layout!r}>"
+
+    if args.kernel == "dkdv":
+        fn, maxnreg = hk.attn_bwd_dkdv_hopper_kernel, hk.MAXNREG
+        bm = args.block_m or hk.BLOCK_M[d]
+        descs = {"q_desc": desc(bm), "do_desc": desc(bm), "k_desc": desc(hk.BLOCK_N), "v_desc": desc(hk.BLOCK_N)}
+        consts = dict(CAUSAL=args.causal, HEADDIM=d, BLOCK_M=bm, HALF_N=hk.HALF_N, STAGES=args.stages or hk.STAGES,
+                      CARRY=not args.no_carry and hk.CARRY, HEADS_FASTEST=args.causal)
+    elif args.kernel == "dq":
+        fn, maxnreg = hq.attn_bwd_dq_hopper_kernel, hq.MAXNREG
+        bn = args.block_n or hq.BLOCK_N
+        descs = {"q_desc": desc(hq.BLOCK_M), "do_desc": desc(hq.BLOCK_M), "k_desc": desc(bn), "v_desc": desc(bn)}
+        consts = dict(CAUSAL=args.causal, HEADDIM=d, HALF_M=hq.HALF_M, BLOCK_N=bn, STAGES=args.stages or hq.STAGES)
+    else:
+        fn, maxnreg = hf.attn_fwd_hopper_kernel, hf.MAXNREG
+        descs = {"q_desc": desc(hf.BLOCK_M), "k_desc": desc(hf.BLOCK_N), "v_desc": desc(hf.BLOCK_N)}
+        consts = dict(CAUSAL=args.causal, HEADDIM=d, HALF_M=hf.HALF_M, BLOCK_N=hf.BLOCK_N,
+                      STAGES=args.stages or hf.STAGES, SKEW=args.skew)
     sig = {}
     for name in fn.arg_names:
         if name in consts:
             sig[name] = "constexpr"
-        elif name in ("q_desc", "do_desc"):
-            sig[name] = qd
-        elif name in ("k_desc", "v_desc"):
-            sig[name] = kd
+        elif name in descs:
+            sig[name] = descs[name]
         elif name in ("LSE", "DELTA"):
             sig[name] = "*fp32"
-        elif name in ("DK", "DV"):
+        elif name in ("DK", "DV", "O", "DQ"):
             sig[name] = "*bf16"
         elif name.endswith("_rows"):
             sig[name] = ("i32", "i32")
@@ -58,13 +73,14 @@ def main():
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in ("LSE", "DELTA", "DK", "DV")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if name in ("LSE", "DELTA", "DK", "DV", "O", "DQ")}
     src = GluonASTSource(fn, sig, consts, attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 4, "maxnreg": args.maxnreg})
+                            options={"num_warps": 4, "maxnreg": maxnreg})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"dkdv_gluon_d{d}{'_causal' if args.causal else ''}"
+    stem = out / f"{args.kernel}_gluon_d{d}{'_causal' if args.causal else ''}"
     ptx = kernel.asm["ptx"]
     stem.with_suffix(".ttgir").write_text(kernel.asm["ttgir"])
     stem.with_suffix(".ptx").write_text(ptx)

@@ -16,6 +16,8 @@ import flashpatch  # noqa: E402
 from flashpatch import reference  # noqa: E402
 from flashpatch.kernels import config as kc  # noqa: E402
 from flashpatch.kernels import hopper_dkdv as hk  # noqa: E402
+from flashpatch.kernels import hopper_dq as hq  # noqa: E402
+from flashpatch.kernels import hopper_fwd as hf  # noqa: E402
 from profile_kernels import kernel_times  # noqa: E402
 
 CALLS = {"n": 0}
@@ -38,9 +40,9 @@ SHAPES = {
     "f8k": (2, 8192, 8192, 16, 16, 128, False),
     "d64c8k": (2, 8192, 8192, 32, 32, 64, True),
 }
-VARIANTS = {  # name: (gluon, stages, carry, heads fastest: None = hopper_dkdv.heads_fastest)
-    "triton": (False, 3, False, None),
-    "gluon": (True, 3, False, None),
+VARIANTS = {  # name: (gluon dK/dV, stages, carry, heads fastest: None = hopper_dkdv.heads_fastest)
+    "triton": (False, 2, False, None),
+    "gluon": (True, 2, False, None),
     "gluon s2": (True, 2, False, None),
     "gluon heads first": (True, 3, False, True),
     "gluon blocks first": (True, 3, False, False),
@@ -48,8 +50,8 @@ VARIANTS = {  # name: (gluon, stages, carry, heads fastest: None = hopper_dkdv.h
 }
 
 
-def grads(q, k, v, dout, causal, gluon):
-    with kc.override(gluon_dkdv=gluon):
+def grads(q, k, v, dout, causal, gluon, gluon_fwd=False, gluon_dq=False):
+    with kc.override(gluon_dkdv=gluon, gluon_fwd=gluon_fwd, gluon_dq=gluon_dq):
         out = flashpatch.flash_attn_func(q, k, v, causal=causal)
         return torch.autograd.grad(out, (q, k, v), dout)
 
@@ -80,9 +82,25 @@ def check():
         q, k, v = make(sq, h).requires_grad_(), make(sk, hk_).requires_grad_(), make(sk, hk_).requires_grad_()
         dout = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
         before = CALLS["n"]
-        g_gluon = grads(q, k, v, dout, causal, True)
+        g_gluon = grads(q, k, v, dout, causal, True, gluon_dq=True)
         used = CALLS["n"] > before
         g_triton = grads(q, k, v, dout, causal, False)
+        out_ref, lse_ref = reference.attention_reference(q, k, v, causal=causal, upcast=True)
+        out_low, _ = reference.attention_reference(q, k, v, causal=causal, upcast=False)
+        fwd_used = sq % 128 == 0 and sk % 128 == 0
+        for skew in (False, True):
+            hf.SKEW = skew
+            with kc.override(gluon_fwd=True):
+                out_g, lse_g = flashpatch.ops.attn_fwd(q.detach(), k.detach(), v.detach(), None, None, sq, sk, None,
+                                                       0.0, d ** -0.5, -1, 0 if causal else -1, 0.0)
+            e_out = (out_g.double() - out_ref).abs().max().item()
+            e_low = (out_low.double() - out_ref).abs().max().item()
+            lse_ok = torch.allclose(lse_g.double(), lse_ref.double(), rtol=1e-4, atol=1e-4)
+            good = e_out <= 2 * e_low + 1e-5 and lse_ok and not torch.isnan(out_g).any().item()
+            print(f"  forward skew={skew} (gluon {'used' if fwd_used else 'not used'}): out err {e_out:.2e} "
+                  f"(bf16 torch {e_low:.2e}), lse close {lse_ok}{'' if good else ' FAIL'}", flush=True)
+            ok &= good
+        hf.SKEW = False
         g_ref = reference_grads(q, k, v, dout, causal, True)
         g_low = reference_grads(q, k, v, dout, causal, False)
         line = []
@@ -100,7 +118,8 @@ def check():
 
 
 def timing(shapes, variants):
-    print("| shape | variant | dK/dV ms | backward ms | backward TFLOP/s |\n|---|---|---|---|---|")
+    print("| shape | variant | forward ms | fwd TFLOP/s | dK/dV ms | dQ ms | backward ms | bwd TFLOP/s |\n"
+          "|---|---|---|---|---|---|---|---|")
     for shape in shapes:
         b, sq, sk, h, hk_, d, causal = SHAPES[shape]
         q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -108,26 +127,32 @@ def timing(shapes, variants):
         dout = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
         flops = 2.5 * 4 * b * h * sq * sk * d / (2 if causal else 1)
         for name in variants:
-            gluon, hk.STAGES, hk.CARRY, order = VARIANTS[name]
+            base, *extras = name.split("+")  # +fwd, +fwdskew: the Gluon forward; +dq, +dq128: the Gluon dQ
+            gluon_fwd, hf.SKEW = any(e.startswith("fwd") for e in extras), "fwdskew" in extras
+            gluon_dq, hq.BLOCK_N = any(e.startswith("dq") for e in extras), 128 if "dq128" in extras else 64
+            gluon, hk.STAGES, hk.CARRY, order = VARIANTS[base]
             hk.HEADS_FASTEST = order
 
             def step():
-                grads(q, k, v, dout, causal, gluon)
+                grads(q, k, v, dout, causal, gluon, gluon_fwd, gluon_dq)
             try:
                 times = dict(kernel_times(step, iters=20))
             except Exception as err:  # noqa: BLE001 - a variant that does not build is a result
                 print(f"| {shape} | {name} | failed: {type(err).__name__}: {str(err)[:200]} | | |", flush=True)
                 continue
             dkdv = sum(t for key, t in times.items() if "dkdv" in key)
+            dq_time = sum(t for key, t in times.items() if "_dq_" in key)
             bwd = sum(t for key, t in times.items() if key.startswith("attn_bwd"))
-            print(f"| {shape} | {name} | {dkdv:.3f} | {bwd:.3f} | {flops / bwd * 1e-9:.0f} |", flush=True)
+            fwd = sum(t for key, t in times.items() if key.startswith("attn_fwd"))
+            print(f"| {shape} | {name} | {fwd:.3f} | {flops / 2.5 / fwd * 1e-9:.0f} | {dkdv:.3f} | {dq_time:.3f} | {bwd:.3f} | "
+                  f"{flops / bwd * 1e-9:.0f} |", flush=True)
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--shapes", default="1b,c4k,c8k,f4k,f8k,d64c8k")
-    parser.add_argument("--variants", default="triton,gluon")
+    parser.add_argument("--variants", default="triton,gluon+fwd,gluon+fwd+dq,gluon+fwd+dq128")
     args = parser.parse_args()
     if not args.skip_check:
         check()

@@ -9,7 +9,7 @@ import torch
 
 import flashpatch
 from flashpatch.kernels import config as kernel_config
-from flashpatch.kernels import hopper_dkdv
+from flashpatch.kernels import hopper_dkdv, hopper_dq, hopper_fwd
 from flashpatch.padding import cu_seqlens_from_lengths
 from flashpatch.reference import varlen_attention_reference
 from tests.helpers import check_against_reference, random_qkv
@@ -79,7 +79,7 @@ def test_tma_tiles_in_every_kernel_bf16(atomic_dq, causal):
 
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, memory order)
-GLUON_DKDV_CASES = [
+GLUON_CASES = [
     (2, 1024, 1024, 8, 2, 128, True, "bshd"),
     (1, 640, 1152, 4, 2, 128, True, "bshd"),  # Sq < Sk: causal aligned bottom-right
     (2, 384, 128, 4, 1, 128, True, "bshd"),  # Sq > Sk: the first 256 queries see no key
@@ -89,14 +89,17 @@ GLUON_DKDV_CASES = [
 
 
 @pytest.mark.skipif(not hopper_dkdv.AVAILABLE or torch.cuda.get_device_capability() != (9, 0),
-                    reason="the Gluon dK/dV kernel is for sm_90")
+                    reason="the Gluon kernels are for sm_90")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", GLUON_DKDV_CASES, ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-d{c[5]}-"
+@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-d{c[5]}-"
                          f"{'causal' if c[6] else 'full'}-{c[7]}")
-def test_gluon_dkdv_matches_float64(case, dtype, monkeypatch):
+def test_gluon_kernels_match_float64(case, dtype, monkeypatch):
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order = case
-    launch, calls = hopper_dkdv.attn_bwd_dkdv, []
-    monkeypatch.setattr(hopper_dkdv, "attn_bwd_dkdv", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    calls = []
+    for module, name in ((hopper_fwd, "attn_fwd"), (hopper_dkdv, "attn_bwd_dkdv"), (hopper_dq, "attn_bwd_dq")):
+        launch = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _launch=launch, _name=name, **kw: calls.append(_name)
+                            or _launch(*a, **kw))
 
     def tensor(seqlen, heads):
         if order == "bhsd":
@@ -106,11 +109,11 @@ def test_gluon_dkdv_matches_float64(case, dtype, monkeypatch):
     torch.manual_seed(0)
     q, k, v = (tensor(n, h).requires_grad_() for n, h in ((seqlen_q, nheads), (seqlen_k, nheads_k),
                                                            (seqlen_k, nheads_k)))
-    with kernel_config.override(gluon_dkdv=True):
+    with kernel_config.override(gluon_fwd=True, gluon_dkdv=True, gluon_dq=True):
         out = flashpatch.flash_attn_func(q, k, v, causal=causal)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
-    assert calls, "the Gluon dK/dV kernel did not run"
+    assert sorted(calls) == ["attn_bwd_dkdv", "attn_bwd_dq", "attn_fwd"], calls
     check_against_reference(out, grads, q, k, v, dout, causal=causal)
 
 

@@ -202,14 +202,14 @@ def test_ops_tell_config_whether_heads_are_grouped(configs_for_calls):
 
 @pytest.mark.parametrize("order", ["bshd", "bhsd", "sbhd"])
 def test_gluon_rows_view_addresses_each_heads_rows(order):
-    from flashpatch.kernels import hopper_dkdv
+    from flashpatch.kernels import hopper_common
 
     batch, seqlen, heads, headdim = 3, 8, 5, 4
     physical = {"bshd": (0, 1, 2, 3), "bhsd": (0, 2, 1, 3), "sbhd": (1, 0, 2, 3)}[order]
     shape = [(batch, seqlen, heads, headdim)[i] for i in physical]
     t = torch.arange(batch * seqlen * heads * headdim, dtype=torch.float32).view(shape)
     t = t.permute([physical.index(i) for i in range(4)])  # seen as (B, S, H, D)
-    view = hopper_dkdv.rows_view(t)
+    view = hopper_common.rows_view(t)
     if order == "sbhd":  # a (batch, head)'s positions are not evenly spaced rows of any 2-D view
         assert view is None
         return
@@ -220,16 +220,21 @@ def test_gluon_rows_view_addresses_each_heads_rows(order):
         assert torch.equal(rows, t[b, :, h])
 
 
-def test_gluon_dkdv_only_on_sm90_cuda_tensors():
-    from flashpatch.kernels import hopper_dkdv
+def test_gluon_kernels_only_on_sm90_cuda_tensors():
+    from flashpatch.kernels import hopper_dkdv, hopper_dq, hopper_fwd
 
     q, k, v = random_qkv(1, 128, 128, 2, 2, 128, torch.float16, requires_grad=False)
-    assert not hopper_dkdv.supported(q, k, v, q, varlen=False, max_seqlen_q=128, max_seqlen_k=128, window_left=-1,
-                                     window_right=0, softcap=0.0, dropout_p=0.0)
+    scope = dict(varlen=False, max_seqlen_q=128, max_seqlen_k=128, window_left=-1, window_right=0, softcap=0.0,
+                 dropout_p=0.0)
+    assert not hopper_fwd.supported(q, k, v, **scope)
+    assert not hopper_dkdv.supported(q, k, v, q, **scope)
+    assert not hopper_dq.supported(q, k, v, q, **scope)
 
 
-def test_gluon_dkdv_chosen_for_d128_only():
+def test_gluon_kernels_chosen_for_d128_only():
     for masked in (False, True):
-        assert kernel_config.configs_for(128, True, masked=masked, aligned=True).gluon_dkdv
-        assert not kernel_config.configs_for(64, True, masked=masked, aligned=True).gluon_dkdv
-        assert not kernel_config.configs_for(128, False, masked=masked).gluon_dkdv
+        on = kernel_config.configs_for(128, True, masked=masked, aligned=True)
+        assert on.gluon_fwd and on.gluon_dkdv and on.gluon_dq
+        for off in (kernel_config.configs_for(64, True, masked=masked, aligned=True),
+                    kernel_config.configs_for(128, False, masked=masked)):
+            assert not (off.gluon_fwd or off.gluon_dkdv or off.gluon_dq)

@@ -34,6 +34,8 @@ class KernelConfigs:
     # dense rows dividing its tiles, causal or unmasked, no dropout or softcap); the Triton kernel elsewhere.
     # Round 17 (NOTES.md v19): d128 dK/dV 13-21% faster; at d64 within 3% of the Triton kernel, so off there.
     gluon_dkdv: bool = False
+    gluon_fwd: bool = False  # the same for the forward (kernels/hopper_fwd.py): d128 forward 15-17% faster (v19)
+    gluon_dq: bool = False  # and for the separate dQ pass (kernels/hopper_dq.py)
 
 
 _OVERRIDE: dict = {}
@@ -112,6 +114,8 @@ def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool
             bwd_dq=LaunchConfig(128, 64, num_warps=8, num_stages=3, tma=True),
             atomic_dq=dropout and not grouped,  # round 15: see the docstring
             gluon_dkdv=True,
+            gluon_fwd=True,
+            gluon_dq=True,
         )
     elif block_d <= 128:
         # Round 7 (tune_round7.json), n4096 / n8192 backward: 317 / 325 -> 344 / 352 TFLOP/s with one-warpgroup
@@ -128,6 +132,8 @@ def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool
             bwd_dq=LaunchConfig(128, 64, num_warps=8, num_stages=3, blocks_fastest=True, tma=True),
             atomic_dq=False,
             gluon_dkdv=True,
+            gluon_fwd=True,
+            gluon_dq=True,
         )
     else:  # head dim 256: register pressure; small tiles (not yet tuned)
         cfg = KernelConfigs(

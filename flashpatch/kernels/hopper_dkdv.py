@@ -27,15 +27,13 @@ from __future__ import annotations
 import torch
 import triton
 
-try:  # Gluon is experimental: its module layout has changed between Triton releases
+from flashpatch.kernels.hopper_common import AVAILABLE, descriptor, sm90_dense_ok
+
+if AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    AVAILABLE = True
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    AVAILABLE = False
 
 BLOCK_M = {64: 64, 128: 64}  # queries per step, by head dim
 HALF_N = 64  # keys per consumer warpgroup
@@ -194,38 +192,15 @@ if AVAILABLE:
         ], [4, 1], [232, 24])
 
 
-def rows_view(t: torch.Tensor):
-    """A 2-D view of a (B, S, H, D) tensor for a TMA descriptor in which the S positions of one (batch, head) are
-    consecutive rows, or None if its strides allow none.
-
-    Returns (shape, strides, (rows per batch, rows per head), columns per head): the tile of batch b, head h,
-    positions m.. starts at row b * rows_b + h * rows_h + m, column h * cols_h."""
-    B, S, H, D = t.shape
-    sb, ss, sh, sd = t.stride()
-    if sd != 1:
-        return None
-    if (sh == D or H == 1) and (sb == S * ss or B == 1):  # (B, S, H, D) order: a row holds every head
-        return [B * S, H * D], [ss, 1], (S, 0), D
-    if (ss == D or S == 1) and (sh == S * D or H == 1) and (sb == H * S * D or B == 1):  # (B, H, S, D) order
-        return [B * H * S, D], [D, 1], (H * S, S), 0
-    return None
-
-
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, varlen: bool,
               max_seqlen_q: int, max_seqlen_k: int, window_left: int, window_right: int, softcap: float,
               dropout_p: float) -> bool:
     """Whether this kernel covers the call: sm_90 with Gluon, dense rows whose lengths divide the tiles, bf16/fp16,
     head dim 64 or 128, causal or unmasked. Anything else keeps the Triton kernel."""
-    if not (AVAILABLE and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
+    if not sm90_dense_ok(q, k, v, dout, varlen=varlen, window_left=window_left, window_right=window_right,
+                         softcap=softcap, dropout_p=dropout_p):
         return False
-    if varlen or softcap > 0 or dropout_p > 0 or window_left >= 0 or window_right not in (-1, 0):
-        return False
-    if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128):
-        return False
-    if max_seqlen_q % BLOCK_M[q.shape[-1]] or max_seqlen_k % BLOCK_N:
-        return False
-    return all(rows_view(t) is not None and t.data_ptr() % 16 == 0 and t.numel() < 2**31  # 32-bit offsets
-               for t in (q, k, v, dout))
+    return max_seqlen_q % BLOCK_M[q.shape[-1]] == 0 and max_seqlen_k % BLOCK_N == 0
 
 
 def heads_fastest(causal: bool, seqlen_k: int) -> bool:
@@ -236,23 +211,16 @@ def heads_fastest(causal: bool, seqlen_k: int) -> bool:
     return causal and seqlen_k <= 1024
 
 
-def _descriptor(t: torch.Tensor, block_rows: int):
-    shape, strides, rows, cols = rows_view(t)
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, t.shape[-1]], gl.float16 if t.dtype == torch.float16
-                                                  else gl.bfloat16)
-    return TensorDescriptor(t, shape, strides, [block_rows, t.shape[-1]], layout), rows, cols
-
-
 def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_scale: float, causal: bool) -> None:
     """dK, dV (written into dk, dv) for a call `supported` accepted. q, dout: (B, Sq, H, D); k, v: (B, Sk, Hk, D);
     lse, delta: (B, H, Sq) fp32 (natural-log LSE); qk_scale = softmax_scale * log2(e)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     block_m = BLOCK_M[headdim]
-    q_desc, q_rows, q_cols = _descriptor(q, block_m)
-    do_desc, do_rows, do_cols = _descriptor(dout, block_m)
-    k_desc, k_rows, k_cols = _descriptor(k, BLOCK_N)
-    v_desc, v_rows, v_cols = _descriptor(v, BLOCK_N)
+    q_desc, q_rows, q_cols = descriptor(q, block_m)
+    do_desc, do_rows, do_cols = descriptor(dout, block_m)
+    k_desc, k_rows, k_cols = descriptor(k, BLOCK_N)
+    v_desc, v_rows, v_cols = descriptor(v, BLOCK_N)
     grid = (batch * nheads_k * triton.cdiv(seqlen_k, BLOCK_N),)
     attn_bwd_dkdv_hopper_kernel[grid](
         q_desc, do_desc, k_desc, v_desc, lse, delta, dk, dv,
@@ -260,6 +228,7 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         lse.stride(0), lse.stride(1),
         nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale,
-        CAUSAL=causal, HEADDIM=headdim, BLOCK_M=block_m, HALF_N=HALF_N, STAGES=STAGES, HEADS_FASTEST=heads_fastest(causal, seqlen_k) if HEADS_FASTEST is None else HEADS_FASTEST,
-        CARRY=CARRY, num_warps=4, maxnreg=MAXNREG,
+        CAUSAL=causal, HEADDIM=headdim, BLOCK_M=block_m, HALF_N=HALF_N, STAGES=STAGES, CARRY=CARRY,
+        HEADS_FASTEST=heads_fastest(causal, seqlen_k) if HEADS_FASTEST is None else HEADS_FASTEST,
+        num_warps=4, maxnreg=MAXNREG,
     )

@@ -1,0 +1,53 @@
+"""What the Gluon Hopper kernels (hopper_fwd.py, hopper_dkdv.py) share on the host: whether Gluon imports, which
+calls they may take, and the 2-D TMA views of (B, S, H, D) tensors they load from."""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Gluon is experimental: its module layout has changed between Triton releases
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    AVAILABLE = False
+
+
+def rows_view(t: torch.Tensor):
+    """A 2-D view of a (B, S, H, D) tensor for a TMA descriptor in which the S positions of one (batch, head) are
+    consecutive rows, or None if its strides allow none.
+
+    Returns (shape, strides, (rows per batch, rows per head), columns per head): the tile of batch b, head h,
+    positions m.. starts at row b * rows_b + h * rows_h + m, column h * cols_h."""
+    B, S, H, D = t.shape
+    sb, ss, sh, sd = t.stride()
+    if sd != 1:
+        return None
+    if (sh == D or H == 1) and (sb == S * ss or B == 1):  # (B, S, H, D) order: a row holds every head
+        return [B * S, H * D], [ss, 1], (S, 0), D
+    if (ss == D or S == 1) and (sh == S * D or H == 1) and (sb == H * S * D or B == 1):  # (B, H, S, D) order
+        return [B * H * S, D], [D, 1], (H * S, S), 0
+    return None
+
+
+def sm90_dense_ok(*tensors: torch.Tensor, varlen: bool, window_left: int, window_right: int, softcap: float,
+                  dropout_p: float) -> bool:
+    """The scope both Gluon kernels share: sm_90 with Gluon, dense (B, S, H, D) tensors that `rows_view` maps, bf16
+    or fp16, head dim 64 or 128, causal or unmasked, no softcap or dropout, 32-bit element offsets. Each kernel
+    adds its tile divisibility."""
+    q = tensors[0]
+    if not (AVAILABLE and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
+        return False
+    if varlen or softcap > 0 or dropout_p > 0 or window_left >= 0 or window_right not in (-1, 0):
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128):
+        return False
+    return all(rows_view(t) is not None and t.data_ptr() % 16 == 0 and t.numel() < 2**31 for t in tensors)
+
+
+def descriptor(t: torch.Tensor, block_rows: int):
+    """(TensorDescriptor of (block_rows, D) tiles, rows per (batch, head), columns per head) for `rows_view`'s view."""
+    shape, strides, rows, cols = rows_view(t)
+    dtype = gl.float16 if t.dtype == torch.float16 else gl.bfloat16
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, t.shape[-1]], dtype)
+    return TensorDescriptor(t, shape, strides, [block_rows, t.shape[-1]], layout), rows, cols

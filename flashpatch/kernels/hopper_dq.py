@@ -1,0 +1,190 @@
+"""dQ for Hopper (sm_90) in Gluon, warp-specialized like hopper_fwd.py and hopper_dkdv.py.
+
+  producer (1 warp):     Q and dO of the program's 128 queries once; then, per step, TMA loads of a (BLOCK_N, D)
+                         tile of K and one of V into a ring of STAGES buffers, each with its own `ready` mbarrier.
+  consumer w (4 warps):  queries [m0 + 64 w, m0 + 64 w + 64): per step S = Q Kᵀ and dP = dO Vᵀ issued together,
+                         P = exp2(S - LSE) while dP runs, dS = P (dP - delta), dQ += dS K; the stage is released
+                         once dS K is done.
+
+Reads the LSE (natural log) and delta = rowsum(dO * O) that the forward and backward.py's preprocess kernel wrote.
+Scope: `supported`, the same as hopper_fwd.py's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from flashpatch.kernels.hopper_common import AVAILABLE, descriptor, sm90_dense_ok
+
+if AVAILABLE:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+HALF_M = 64  # queries per consumer warpgroup
+BLOCK_M = 2 * HALF_M  # queries per program
+BLOCK_N = 64  # keys per step
+STAGES = 2  # K/V ring depth
+MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
+
+
+if AVAILABLE:
+
+    @gluon.jit
+    def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty,
+                     qdo_bar, q_row, q_col, do_row, do_col, k_row, k_col, v_row, v_col, n_steps,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        mbarrier.expect(qdo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row, q_col], qdo_bar, q_smem)
+        tma.async_copy_global_to_shared(do_desc, [do_row, do_col], qdo_bar, do_smem)
+        for i in range(n_steps):
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh mbarrier passes the first lap
+            mbarrier.expect(ready_k.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [k_row + i * BLOCK_N, k_col], ready_k.index(s), k_bufs.index(s))
+            mbarrier.expect(ready_v.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [v_row + i * BLOCK_N, v_col], ready_v.index(s), v_bufs.index(s))
+
+    @gluon.jit
+    def _dq_step(i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta, offs_m, offs_n,
+                 shift, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq.type.layout, k_width=2)
+        s = i % STAGES
+        phase = (i // STAGES) & 1
+        k_s = k_bufs.index(s)  # (BLOCK_N, D)
+        mbarrier.wait(ready_k.index(s), phase)
+        qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (HALF_M, BLOCK_N)
+        mbarrier.wait(ready_v.index(s), phase)
+        dp = warpgroup_mma(do_s, v_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(1, deps=(qk, ))
+        p = gl.exp2(qk * qk_scale - lse_log2[:, None])
+        if MASKED:  # bottom-right aligned: key n is visible from query m when n <= m + Sk - Sq
+            p = gl.where((i * BLOCK_N + offs_n)[None, :] <= offs_m[:, None] + shift, p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=(dp, ))
+        ds = p * (dp - delta[:, None])
+        dq = warpgroup_mma(gl.convert_layout(ds.to(q_s.dtype), a_layout), k_s, dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq, ))
+        mbarrier.arrive(empty.index(s))
+        return dq
+
+    @gluon.jit
+    def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_bar, DQ, LSE, DELTA, dq_base,
+                     stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale,
+                     WG: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr):
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEADDIM, 16])  # (queries, D)
+        q_s = q_smem.slice(WG * HALF_M, HALF_M)  # (HALF_M, D)
+        do_s = do_smem.slice(WG * HALF_M, HALF_M)
+        offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        lse_log2 = gl.load(LSE + lse_base + offs_m) * 1.4426950408889634
+        delta = gl.load(DELTA + lse_base + offs_m)
+        zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+        dq = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
+
+        mbarrier.wait(qdo_bar, 0)
+        for i in range(0, n_full):
+            dq = _dq_step(i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta, offs_m,
+                          offs_n, shift, qk_scale, False, BLOCK_N, STAGES)
+        for i in range(n_full, n_steps):
+            dq = _dq_step(i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta, offs_m,
+                          offs_n, shift, qk_scale, True, BLOCK_N, STAGES)
+
+        rows = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
+        offs_d = gl.arange(0, HEADDIM, layout=gl.SliceLayout(0, o_layout))
+        gl.store(DQ + dq_base + rows[:, None] * stride_dqs + offs_d[None, :], (dq * softmax_scale).to(q_s.dtype))
+
+    @gluon.jit
+    def attn_bwd_dq_hopper_kernel(
+        q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA,
+        q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
+        stride_dqb, stride_dqs, stride_dqh, stride_lse_b, stride_lse_h,
+        nheads, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+        CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
+        BLOCK_M: gl.constexpr = 2 * HALF_M
+        num_m = gl.cdiv(seqlen_q, BLOCK_M)
+        pid = gl.program_id(0)
+        off_bh = pid // num_m  # a head's query blocks side by side: they share its K and V in L2
+        pid_m = pid % num_m
+        if CAUSAL:
+            pid_m = num_m - 1 - pid_m  # the heaviest query blocks first
+        off_b = off_bh // nheads
+        off_h = off_bh % nheads
+        off_hk = off_h // group_size
+        m0 = pid_m * BLOCK_M
+        shift = seqlen_k - seqlen_q
+        n_steps = gl.cdiv(seqlen_k, BLOCK_N)
+        n_full = n_steps
+        if CAUSAL:
+            n_end = gl.minimum(gl.maximum(m0 + BLOCK_M + shift, 0), seqlen_k)
+            n_steps = gl.cdiv(n_end, BLOCK_N)
+            n_full = gl.minimum(gl.maximum(m0 + shift + 1, 0) // BLOCK_N, n_steps)  # blocks below the diagonal
+
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+        do_smem = gl.allocate_shared_memory(do_desc.dtype, do_desc.block_type.shape, do_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        ready_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready_k.index(s), count=1)
+            mbarrier.init(ready_v.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(qdo_bar, count=1)
+        fence_async_shared()
+
+        dq_base = off_b * stride_dqb + off_h * stride_dqh
+        lse_base = off_b * stride_lse_b + off_h * stride_lse_h
+        gl.warp_specialize([
+            (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_bar, DQ, LSE, DELTA,
+                            dq_base, stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale,
+                            0, HEADDIM, HALF_M, BLOCK_N, STAGES)),
+            (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_bar, DQ, LSE, DELTA,
+                            dq_base, stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale,
+                            1, HEADDIM, HALF_M, BLOCK_N, STAGES)),
+            (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v,
+                            empty, qdo_bar,
+                            off_b * q_rows[0] + off_h * q_rows[1] + m0, off_h * q_cols,
+                            off_b * do_rows[0] + off_h * do_rows[1] + m0, off_h * do_cols,
+                            off_b * k_rows[0] + off_hk * k_rows[1], off_hk * k_cols,
+                            off_b * v_rows[0] + off_hk * v_rows[1], off_hk * v_cols,
+                            n_steps, BLOCK_N, STAGES)),
+        ], [4, 1], [232, 24])
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, varlen: bool,
+              max_seqlen_q: int, max_seqlen_k: int, window_left: int, window_right: int, softcap: float,
+              dropout_p: float) -> bool:
+    """hopper_common.sm90_dense_ok, and lengths that divide the tiles (the 2-D TMA views run on into the next
+    head's rows)."""
+    return (sm90_dense_ok(q, k, v, dout, varlen=varlen, window_left=window_left, window_right=window_right,
+                          softcap=softcap, dropout_p=dropout_p)
+            and max_seqlen_q % BLOCK_M == 0 and max_seqlen_k % BLOCK_N == 0)
+
+
+def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: float, causal: bool) -> None:
+    """dQ (written into dq, (B, Sq, H, D)) for a call `supported` accepted; lse, delta: (B, H, Sq) fp32."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    q_desc, q_rows, q_cols = descriptor(q, BLOCK_M)
+    do_desc, do_rows, do_cols = descriptor(dout, BLOCK_M)
+    k_desc, k_rows, k_cols = descriptor(k, BLOCK_N)
+    v_desc, v_rows, v_cols = descriptor(v, BLOCK_N)
+    grid = (batch * nheads * triton.cdiv(seqlen_q, BLOCK_M),)
+    attn_bwd_dq_hopper_kernel[grid](
+        q_desc, do_desc, k_desc, v_desc, dq, lse, delta,
+        q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,
+        dq.stride(0), dq.stride(1), dq.stride(2), lse.stride(0), lse.stride(1),
+        nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+        CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
+        num_warps=4, maxnreg=MAXNREG,
+    )

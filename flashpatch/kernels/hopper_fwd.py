@@ -1,0 +1,246 @@
+"""Forward attention for Hopper (sm_90) in Gluon, warp-specialized like hopper_dkdv.py: one producer warp and two
+consumer warpgroups per program, synchronised by mbarriers.
+
+  producer (1 warp):     Q of the program's 128 queries once; then, per step, TMA loads of a (BLOCK_N, D) tile of K
+                         and one of V into a ring of STAGES buffers, each with its own `ready` mbarrier, so Q Kᵀ
+                         can start before V has landed.
+  consumer w (4 warps):  queries [m0 + 64 w, m0 + 64 w + 64): per step S = Q Kᵀ, the online softmax in exp2
+                         (running max m, running sum l), O = O · exp2(m_old - m) + P V; the stage is released
+                         (`empty`, one arrival per consumer) once P V is done.
+
+Neither consumer waits for the other, so one's softmax runs under the other's matmuls. Causal masks are bottom-right
+aligned; the steps that cross the diagonal run a masked copy of the step, the others none. LSE is stored in natural
+log, +inf for a row that sees no key (its output is 0), as the Triton forward does (forward.py), so both backward
+kernels take it. Scope: `supported`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from flashpatch.kernels.hopper_common import AVAILABLE, descriptor, sm90_dense_ok
+
+if AVAILABLE:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+HALF_M = 64  # queries per consumer warpgroup
+BLOCK_M = 2 * HALF_M  # queries per program
+BLOCK_N = 128  # keys per step
+STAGES = 2  # K/V ring depth
+SKEW = False  # FA3's intra-warpgroup overlap of block i's softmax with block i-1's P V
+MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
+
+
+if AVAILABLE:
+
+    @gluon.jit
+    def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
+                      q_row, q_col, k_row, k_col, v_row, v_col, n_steps,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
+        for i in range(n_steps):
+            s = i % STAGES
+            # a fresh mbarrier counts as having completed the phase before 0, so the first lap does not wait
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready_k.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [k_row + i * BLOCK_N, k_col], ready_k.index(s), k_bufs.index(s))
+            mbarrier.expect(ready_v.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [v_row + i * BLOCK_N, v_col], ready_v.index(s), v_bufs.index(s))
+
+    @gluon.jit
+    def _fwd_step(i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift,
+                  qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """One key block into (acc, m_i, l_i); offs_n: the block's key indices relative to its start."""
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+        s = i % STAGES
+        phase = (i // STAGES) & 1
+        mbarrier.wait(ready_k.index(s), phase)
+        qk = warpgroup_mma(q_s, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(0, deps=(qk, ))  # (HALF_M, BLOCK_N)
+        p, m_new, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, MASKED, BLOCK_N)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+        mbarrier.wait(ready_v.index(s), phase)
+        acc = warpgroup_mma(gl.convert_layout(p.to(q_s.dtype), a_layout), v_bufs.index(s), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(empty.index(s))
+        return acc, m_new, l_i
+
+    @gluon.jit
+    def _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, MASKED: gl.constexpr,
+                        BLOCK_N: gl.constexpr):
+        """Scores of key block i into (P, new running max, new running sum, rescale factor of the old sums)."""
+        scores = qk * qk_scale  # log2 units
+        if MASKED:  # bottom-right aligned: key n is visible from query m when n <= m + Sk - Sq
+            visible = (i * BLOCK_N + offs_n)[None, :] <= offs_m[:, None] + shift
+            scores = gl.where(visible, scores, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(scores, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet stays at 0
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(scores - m_safe[:, None])
+        return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
+
+    @gluon.jit
+    def _fwd_skewed_step(i, acc, p_prev, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m,
+                         offs_n, shift, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr,
+                         STAGES: gl.constexpr):
+        """FA3's intra-warpgroup overlap: Q K_iᵀ and P_(i-1) V_(i-1) are issued together, and block i's softmax runs
+        while the second is in flight."""
+        s = i % STAGES
+        prev = (i - 1) % STAGES
+        mbarrier.wait(ready_k.index(s), (i // STAGES) & 1)
+        qk = warpgroup_mma(q_s, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(ready_v.index(prev), ((i - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p_prev, v_bufs.index(prev), acc, is_async=True)
+        qk = warpgroup_mma_wait(1, deps=(qk, ))
+        p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, MASKED, BLOCK_N)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(empty.index(prev))
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+        return acc, gl.convert_layout(p.to(q_s.dtype), p_prev.type.layout), m_i, l_i
+
+    @gluon.jit
+    def _fwd_consumer(q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base, stride_os, lse_base,
+                      m0, shift, n_full, n_steps, qk_scale,
+                      WG: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, SKEW: gl.constexpr):
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEADDIM, 16])  # (queries, D)
+        q_s = q_smem.slice(WG * HALF_M, HALF_M)  # (HALF_M, D)
+        offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+        m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
+
+        mbarrier.wait(q_bar, 0)
+        if SKEW:
+            a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+            p_prev = gl.zeros([HALF_M, BLOCK_N], q_s.dtype, a_layout)
+            if n_steps > 0:  # block 0's scores and softmax; its P V joins block 1's step
+                mbarrier.wait(ready_k.index(0), 0)
+                qk = warpgroup_mma(q_s, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                qk = warpgroup_mma_wait(0, deps=(qk, ))
+                p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, 0, shift, qk_scale, n_full == 0,
+                                                     BLOCK_N)
+                p_prev = gl.convert_layout(p.to(q_s.dtype), a_layout)
+            for i in range(1, n_full):
+                acc, p_prev, m_i, l_i = _fwd_skewed_step(i, acc, p_prev, m_i, l_i, q_s, k_bufs, v_bufs, ready_k,
+                                                         ready_v, empty, zero_s, offs_m, offs_n, shift, qk_scale,
+                                                         False, BLOCK_N, STAGES)
+            for i in range(gl.maximum(n_full, 1), n_steps):
+                acc, p_prev, m_i, l_i = _fwd_skewed_step(i, acc, p_prev, m_i, l_i, q_s, k_bufs, v_bufs, ready_k,
+                                                         ready_v, empty, zero_s, offs_m, offs_n, shift, qk_scale,
+                                                         True, BLOCK_N, STAGES)
+            if n_steps > 0:  # the last block's P V
+                last = (n_steps - 1) % STAGES
+                mbarrier.wait(ready_v.index(last), ((n_steps - 1) // STAGES) & 1)
+                acc = warpgroup_mma(p_prev, v_bufs.index(last), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(empty.index(last))
+        else:
+            for i in range(0, n_full):
+                acc, m_i, l_i = _fwd_step(i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
+                                          offs_m, offs_n, shift, qk_scale, False, BLOCK_N, STAGES)
+            for i in range(n_full, n_steps):
+                acc, m_i, l_i = _fwd_step(i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
+                                          offs_m, offs_n, shift, qk_scale, True, BLOCK_N, STAGES)
+
+        empty_row = l_i == 0.0  # the row sees no key: output 0, LSE +inf (so backward recomputes P = 0)
+        lse = gl.where(empty_row, float("inf"), (m_i + gl.log2(gl.where(empty_row, 1.0, l_i))) * 0.6931471805599453)
+        gl.store(LSE + lse_base + offs_m, lse)
+        l_o = gl.convert_layout(gl.where(empty_row, 1.0, l_i), gl.SliceLayout(1, o_layout))
+        out = (acc / l_o[:, None]).to(q_s.dtype)
+        rows = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
+        offs_d = gl.arange(0, HEADDIM, layout=gl.SliceLayout(0, o_layout))
+        gl.store(O + o_base + rows[:, None] * stride_os + offs_d[None, :], out)
+
+    @gluon.jit
+    def attn_fwd_hopper_kernel(
+        q_desc, k_desc, v_desc, O, LSE,
+        q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
+        stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
+        nheads, group_size, seqlen_q, seqlen_k, qk_scale,
+        CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr, SKEW: gl.constexpr,
+    ):
+        BLOCK_M: gl.constexpr = 2 * HALF_M
+        num_m = gl.cdiv(seqlen_q, BLOCK_M)
+        pid = gl.program_id(0)
+        off_bh = pid // num_m  # a head's query blocks side by side: they share its K and V in L2
+        pid_m = pid % num_m
+        if CAUSAL:
+            pid_m = num_m - 1 - pid_m  # the heaviest query blocks first
+        off_b = off_bh // nheads
+        off_h = off_bh % nheads
+        off_hk = off_h // group_size
+        m0 = pid_m * BLOCK_M
+        shift = seqlen_k - seqlen_q
+        n_steps = gl.cdiv(seqlen_k, BLOCK_N)
+        n_full = n_steps
+        if CAUSAL:
+            n_end = gl.minimum(gl.maximum(m0 + BLOCK_M + shift, 0), seqlen_k)
+            n_steps = gl.cdiv(n_end, BLOCK_N)
+            n_full = gl.minimum(gl.maximum(m0 + shift + 1, 0) // BLOCK_N, n_steps)  # blocks below the diagonal
+
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        ready_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready_k.index(s), count=1)
+            mbarrier.init(ready_v.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(q_bar, count=1)
+        fence_async_shared()
+
+        o_base = off_b * stride_ob + off_h * stride_oh
+        lse_base = off_b * stride_lse_b + off_h * stride_lse_h
+        gl.warp_specialize([
+            (_fwd_consumer, (q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base, stride_os,
+                             lse_base, m0, shift, n_full, n_steps, qk_scale, 0, HEADDIM, HALF_M, BLOCK_N, STAGES, SKEW)),
+            (_fwd_consumer, (q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base, stride_os,
+                             lse_base, m0, shift, n_full, n_steps, qk_scale, 1, HEADDIM, HALF_M, BLOCK_N, STAGES, SKEW)),
+            (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
+                             off_b * q_rows[0] + off_h * q_rows[1] + m0, off_h * q_cols,
+                             off_b * k_rows[0] + off_hk * k_rows[1], off_hk * k_cols,
+                             off_b * v_rows[0] + off_hk * v_rows[1], off_hk * v_cols,
+                             n_steps, BLOCK_N, STAGES)),
+        ], [4, 1], [232, 24])
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool, max_seqlen_q: int,
+              max_seqlen_k: int, window_left: int, window_right: int, softcap: float, dropout_p: float) -> bool:
+    """Whether this kernel covers the call (hopper_common.sm90_dense_ok, and lengths that divide the tiles: the 2-D
+    TMA views run on into the next head's rows, so a partial tile is not allowed)."""
+    return (sm90_dense_ok(q, k, v, varlen=varlen, window_left=window_left, window_right=window_right,
+                          softcap=softcap, dropout_p=dropout_p)
+            and max_seqlen_q % BLOCK_M == 0 and max_seqlen_k % BLOCK_N == 0)
+
+
+def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool) -> None:
+    """out (B, Sq, H, D) and lse (B, H, Sq, float32, natural log) for a call `supported` accepted; q: (B, Sq, H, D),
+    k, v: (B, Sk, Hk, D); qk_scale = softmax_scale * log2(e)."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    q_desc, q_rows, q_cols = descriptor(q, BLOCK_M)
+    k_desc, k_rows, k_cols = descriptor(k, BLOCK_N)
+    v_desc, v_rows, v_cols = descriptor(v, BLOCK_N)
+    grid = (batch * nheads * triton.cdiv(seqlen_q, BLOCK_M),)
+    attn_fwd_hopper_kernel[grid](
+        q_desc, k_desc, v_desc, out, lse, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale,
+        CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES, SKEW=SKEW,
+        num_warps=4, maxnreg=MAXNREG,
+    )
