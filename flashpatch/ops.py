@@ -3,7 +3,9 @@ torch.compile traces through them as opaque nodes.
 
 Dense tensors are (batch, seqlen, heads, headdim); varlen tensors are (total_tokens, heads, headdim) with
 cu_seqlens. Both run the same kernels: varlen reads a sequence's start and length from cu_seqlens, dense uses a
-batch stride. No argument checking here: flashpatch.validation does it in the public layer.
+batch stride. On an H100/H200 (sm_90), dense d128 calls that are causal or unmasked and whose lengths divide the
+tiles run warp-specialized Gluon kernels instead (kernels/hopper_*.py; same results, same LSE and delta buffers);
+FLASHPATCH_GLUON=0 turns them off. No argument checking here: flashpatch.validation does it in the public layer.
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ def attn_fwd(
     if out.numel() == 0:
         return out, lse
     cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p)
-    if cfgs.gluon_fwd and hopper_fwd.supported(
+    if cfgs.gluon_fwd and hopper_fwd.supported(  # the Gluon Hopper kernel where it applies (hopper_common.py)
             q, k, v, varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
             window_right=window_right, softcap=softcap, dropout_p=dropout_p):
         hopper_fwd.attn_fwd(q, k, v, out, lse, _scales(softmax_scale, softcap)[0], causal=window_right == 0)
@@ -197,25 +199,6 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed_offs
     varlen = cu_seqlens_q is not None
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
         _lse_shape(q, varlen), dtype=torch.float32)
-
-
-def _launch_dkdv(q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k, varlen,
-                 nheads, nheads_k, batch, max_seqlen_q, max_seqlen_k, qk_scale, cap_log2, softmax_scale, dropout_p,
-                 window_left, window_right, headdim, block_d, atomic_dq, tma_dkdv, cfgs, flags) -> None:
-    """The Triton dK/dV kernel (backward.py), which covers every case."""
-    c = cfgs.bwd_dkdv
-    attn_bwd_dkdv_kernel[_grid(batch * nheads_k, triton.cdiv(max_seqlen_k, c.block_n), c.blocks_fastest)](
-        q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k,
-        *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
-        *_seq_strides(dout, varlen), *_seq_strides(dq_accum, varlen), *_seq_strides(dk, varlen),
-        *_seq_strides(dv, varlen), *_lse_strides(lse, varlen),
-        nheads, nheads_k, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
-        qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
-        HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq, TMA=tma_dkdv,
-        BLOCKS_FASTEST=c.blocks_fastest, EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_q, c.block_m),
-        DP_FIRST=c.dp_first, **flags,
-        num_warps=c.num_warps, num_stages=c.num_stages,
-    )
 
 
 @torch.library.custom_op("flashpatch::attn_bwd", mutates_args=(), device_types=("cuda", "cpu"))
@@ -274,22 +257,30 @@ def attn_bwd(
     tma_dq = cfgs.bwd_dq.tma and not atomic_dq and tma_usable(headdim, k, v)
     if tma_dkdv or tma_dq:
         _ensure_allocator()
-    c = cfgs.bwd_dkdv
-    if cfgs.gluon_dkdv and not atomic_dq and hopper_dkdv.supported(
-            q, k, v, dout, varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-            window_left=window_left, window_right=window_right, softcap=softcap, dropout_p=dropout_p):
-        hopper_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale,
-                                  causal=window_right == 0)
+    # The Gluon Hopper kernels take the calls in their scope (hopper_common.sm90_dense_ok), the Triton ones the rest
+    gluon_scope = dict(varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
+                       window_right=window_right, softcap=softcap, dropout_p=dropout_p)
+    causal = window_right == 0
+    if cfgs.gluon_dkdv and not atomic_dq and hopper_dkdv.supported(q, k, v, dout, **gluon_scope):
+        hopper_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal)
     else:
-        _launch_dkdv(q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k, varlen,
-                     nheads, nheads_k, batch, max_seqlen_q, max_seqlen_k, qk_scale, cap_log2, softmax_scale,
-                     dropout_p, window_left, window_right, headdim, block_d, atomic_dq, tma_dkdv, cfgs, flags)
+        c = cfgs.bwd_dkdv
+        attn_bwd_dkdv_kernel[_grid(batch * nheads_k, triton.cdiv(max_seqlen_k, c.block_n), c.blocks_fastest)](
+            q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k,
+            *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
+            *_seq_strides(dout, varlen), *_seq_strides(dq_accum, varlen), *_seq_strides(dk, varlen),
+            *_seq_strides(dv, varlen), *_lse_strides(lse, varlen),
+            nheads, nheads_k, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
+            qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
+            HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq,
+            TMA=tma_dkdv, BLOCKS_FASTEST=c.blocks_fastest,
+            EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_q, c.block_m), DP_FIRST=c.dp_first, **flags,
+            num_warps=c.num_warps, num_stages=c.num_stages,
+        )
     if atomic_dq:
         dq.copy_(dq_accum)
-    elif cfgs.gluon_dq and hopper_dq.supported(
-            q, k, v, dout, varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-            window_left=window_left, window_right=window_right, softcap=softcap, dropout_p=dropout_p):
-        hopper_dq.attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale, softmax_scale, causal=window_right == 0)
+    elif cfgs.gluon_dq and hopper_dq.supported(q, k, v, dout, **gluon_scope):
+        hopper_dq.attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale, softmax_scale, causal)
     else:
         c = cfgs.bwd_dq
         attn_bwd_dq_kernel[_grid(batch * nheads, triton.cdiv(max_seqlen_q, c.block_m), c.blocks_fastest)](

@@ -238,3 +238,17 @@ def test_gluon_kernels_chosen_for_d128_only():
         for off in (kernel_config.configs_for(64, True, masked=masked, aligned=True),
                     kernel_config.configs_for(128, False, masked=masked)):
             assert not (off.gluon_fwd or off.gluon_dkdv or off.gluon_dq)
+
+
+def test_gluon_switch_and_triton_release_gate(monkeypatch):
+    from flashpatch.kernels import hopper_common
+
+    monkeypatch.setattr(hopper_common, "AVAILABLE", True)
+    monkeypatch.setattr(hopper_common.triton, "__version__", "3.6.0")
+    monkeypatch.delenv("FLASHPATCH_GLUON", raising=False)
+    assert hopper_common.enabled()
+    monkeypatch.setenv("FLASHPATCH_GLUON", "0")
+    assert not hopper_common.enabled()
+    monkeypatch.delenv("FLASHPATCH_GLUON")
+    monkeypatch.setattr(hopper_common.triton, "__version__", "3.9.0")  # a release the kernels were not checked on
+    assert not hopper_common.enabled()

@@ -32,10 +32,11 @@ class KernelConfigs:
     even_tiles: bool = True  # inner-loop loads without bounds masks when the lengths divide the tiles (ops._even)
     # The warp-specialized Gluon dK/dV kernel (kernels/hopper_dkdv.py) wherever it applies (its `supported`: sm_90,
     # dense rows dividing its tiles, causal or unmasked, no dropout or softcap); the Triton kernel elsewhere.
-    # Round 17 (NOTES.md v19): d128 dK/dV 13-21% faster; at d64 within 3% of the Triton kernel, so off there.
+    # Round 17 (NOTES.md v19): d128 dK/dV 13-21% faster; at d64 it wins on long causal rows only (n8192 -6%, but
+    # unmasked n4096 +9% and causal GQA n1024 +18%), so off there.
     gluon_dkdv: bool = False
     gluon_fwd: bool = False  # the same for the forward (kernels/hopper_fwd.py): d128 forward 15-17% faster (v19)
-    gluon_dq: bool = False  # and for the separate dQ pass (kernels/hopper_dq.py)
+    gluon_dq: bool = False  # and for the separate dQ pass (kernels/hopper_dq.py): d128 dQ 10-18% faster (v19)
 
 
 _OVERRIDE: dict = {}

@@ -3,14 +3,29 @@ calls they may take, and the 2-D TMA views of (B, S, H, D) tensors they load fro
 
 from __future__ import annotations
 
+import os
+
 import torch
+import triton
 
 try:  # Gluon is experimental: its module layout has changed between Triton releases
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    # TMA tile load into shared memory, signalling an mbarrier: renamed after Triton 3.6
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     AVAILABLE = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
+
+# Gluon's API changes between Triton releases; the kernels were written and checked against this one (the GPU
+# stack's). Other releases, or FLASHPATCH_GLUON=0 in the environment, keep the Triton kernels.
+GLUON_TRITON = "3.6."
+
+
+def enabled() -> bool:
+    """Whether the Gluon kernels may run at all (read at each call, so FLASHPATCH_GLUON=0 works at any time)."""
+    return AVAILABLE and triton.__version__.startswith(GLUON_TRITON) and os.environ.get("FLASHPATCH_GLUON") != "0"
 
 
 def rows_view(t: torch.Tensor):
@@ -32,11 +47,11 @@ def rows_view(t: torch.Tensor):
 
 def sm90_dense_ok(*tensors: torch.Tensor, varlen: bool, window_left: int, window_right: int, softcap: float,
                   dropout_p: float) -> bool:
-    """The scope both Gluon kernels share: sm_90 with Gluon, dense (B, S, H, D) tensors that `rows_view` maps, bf16
+    """The scope the Gluon kernels share: sm_90 with Gluon enabled (`enabled`), dense (B, S, H, D) tensors that `rows_view` maps, bf16
     or fp16, head dim 64 or 128, causal or unmasked, no softcap or dropout, 32-bit element offsets. Each kernel
     adds its tile divisibility."""
     q = tensors[0]
-    if not (AVAILABLE and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
+    if not (enabled() and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
         return False
     if varlen or softcap > 0 or dropout_p > 0 or window_left >= 0 or window_right not in (-1, 0):
         return False

@@ -27,19 +27,19 @@ from __future__ import annotations
 import torch
 import triton
 
-from flashpatch.kernels.hopper_common import AVAILABLE, descriptor, sm90_dense_ok
+from flashpatch.kernels.hopper_common import AVAILABLE, descriptor, sm90_dense_ok, tma_load
 
 if AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+        fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
 BLOCK_M = {64: 64, 128: 64}  # queries per step, by head dim
 HALF_N = 64  # keys per consumer warpgroup
 BLOCK_N = 2 * HALF_N  # keys per program
-STAGES = 2  # Q/dO ring depth (3 within noise: scripts/gluon_dkdv_check.py)
-CARRY = False  # leave dK and dV matmuls in flight into the next step (slower: scripts/gluon_dkdv_check.py)
+STAGES = 2  # Q/dO ring depth (3 within noise: scripts/gluon_check.py)
+CARRY = False  # leave dK and dV matmuls in flight into the next step (slower: scripts/gluon_check.py)
 HEADS_FASTEST = None  # grid order; None: `heads_fastest` decides
 MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
 
@@ -59,8 +59,8 @@ if AVAILABLE:
                   k_row, k_col, v_row, v_col, m_lo, n_mblocks, total,
                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_bar, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [v_row, v_col], kv_bar, v_smem)
+        tma_load(k_desc, [k_row, k_col], kv_bar, k_smem)
+        tma_load(v_desc, [v_row, v_col], kv_bar, v_smem)
         for i in range(total):
             s = i % STAGES
             g, m0 = _step_position(i, m_lo, n_mblocks, BLOCK_M)
@@ -68,9 +68,9 @@ if AVAILABLE:
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_row + g * q_row_per_head + m0, q_col + g * q_col_per_head],
+            tma_load(q_desc, [q_row + g * q_row_per_head + m0, q_col + g * q_col_per_head],
                                             bar, q_bufs.index(s))
-            tma.async_copy_global_to_shared(do_desc, [do_row + g * do_row_per_head + m0,
+            tma_load(do_desc, [do_row + g * do_row_per_head + m0,
                                                       do_col + g * do_col_per_head], bar, do_bufs.index(s))
 
     @gluon.jit
@@ -207,7 +207,7 @@ def heads_fastest(causal: bool, seqlen_k: int) -> bool:
     """Grid order. A head's key blocks on consecutive programs share its Q and dO tiles in L2, which wins on long
     rows (d128 n4096 causal, dK/dV: 1.14 -> 1.00 ms; unmasked 1.97 -> 1.78). With a causal mask on short rows the
     grid is a couple of waves of very unequal programs, and starting every head's heaviest key block first balances
-    them (the 1B recipe's n1024: 0.23 -> 0.17 ms). scripts/gluon_dkdv_check.py, H200."""
+    them (the 1B recipe's n1024: 0.23 -> 0.17 ms). scripts/gluon_check.py, H200."""
     return causal and seqlen_k <= 1024
 
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 import torch
 import triton
 
-from flashpatch.kernels.hopper_common import AVAILABLE, descriptor, sm90_dense_ok
+from flashpatch.kernels.hopper_common import AVAILABLE, descriptor, sm90_dense_ok, tma_load
 
 if AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+        fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 HALF_M = 64  # queries per consumer warpgroup
 BLOCK_M = 2 * HALF_M  # queries per program
@@ -37,15 +37,15 @@ if AVAILABLE:
                      qdo_bar, q_row, q_col, do_row, do_col, k_row, k_col, v_row, v_col, n_steps,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         mbarrier.expect(qdo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row, q_col], qdo_bar, q_smem)
-        tma.async_copy_global_to_shared(do_desc, [do_row, do_col], qdo_bar, do_smem)
+        tma_load(q_desc, [q_row, q_col], qdo_bar, q_smem)
+        tma_load(do_desc, [do_row, do_col], qdo_bar, do_smem)
         for i in range(n_steps):
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh mbarrier passes the first lap
             mbarrier.expect(ready_k.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [k_row + i * BLOCK_N, k_col], ready_k.index(s), k_bufs.index(s))
+            tma_load(k_desc, [k_row + i * BLOCK_N, k_col], ready_k.index(s), k_bufs.index(s))
             mbarrier.expect(ready_v.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [v_row + i * BLOCK_N, v_col], ready_v.index(s), v_bufs.index(s))
+            tma_load(v_desc, [v_row + i * BLOCK_N, v_col], ready_v.index(s), v_bufs.index(s))
 
     @gluon.jit
     def _dq_step(i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta, offs_m, offs_n,

@@ -19,13 +19,13 @@ from __future__ import annotations
 import torch
 import triton
 
-from flashpatch.kernels.hopper_common import AVAILABLE, descriptor, sm90_dense_ok
+from flashpatch.kernels.hopper_common import AVAILABLE, descriptor, sm90_dense_ok, tma_load
 
 if AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+        fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 HALF_M = 64  # queries per consumer warpgroup
 BLOCK_M = 2 * HALF_M  # queries per program
@@ -42,15 +42,15 @@ if AVAILABLE:
                       q_row, q_col, k_row, k_col, v_row, v_col, n_steps,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
+        tma_load(q_desc, [q_row, q_col], q_bar, q_smem)
         for i in range(n_steps):
             s = i % STAGES
             # a fresh mbarrier counts as having completed the phase before 0, so the first lap does not wait
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             mbarrier.expect(ready_k.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [k_row + i * BLOCK_N, k_col], ready_k.index(s), k_bufs.index(s))
+            tma_load(k_desc, [k_row + i * BLOCK_N, k_col], ready_k.index(s), k_bufs.index(s))
             mbarrier.expect(ready_v.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [v_row + i * BLOCK_N, v_col], ready_v.index(s), v_bufs.index(s))
+            tma_load(v_desc, [v_row + i * BLOCK_N, v_col], ready_v.index(s), v_bufs.index(s))
 
     @gluon.jit
     def _fwd_step(i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift,

@@ -1,7 +1,10 @@
-"""The Gluon Hopper dK/dV kernel (flashpatch/kernels/hopper_dkdv.py) against the Triton one: gradients against the
-float64 reference, then GPU kernel time (torch profiler) per variant. GPU only (sm_90).
+"""The Gluon Hopper kernels (flashpatch/kernels/hopper_{fwd,dkdv,dq}.py) against the Triton ones: outputs, LSE and
+gradients against the float64 reference, then GPU kernel time (torch profiler) per variant. GPU only (sm_90).
 
-    python scripts/gluon_dkdv_check.py [--skip-check] [--shapes 1b,c8k,f8k] [--variants triton,s2,s2nc,s3]
+    python scripts/gluon_check.py [--skip-check] [--shapes 1b,c8k,f8k] [--variants "triton,gluon+fwd+dq"]
+
+A variant is a VARIANTS entry (Gluon dK/dV or not, its stages, CARRY, grid order) plus "+fwd" / "+fwdskew" (the
+Gluon forward, without or with the intra-warpgroup skew) and "+dq" / "+dq128" (the Gluon dQ, 64- or 128-key steps).
 """
 
 import argparse
@@ -39,6 +42,10 @@ SHAPES = {
     "f4k": (4, 4096, 4096, 16, 16, 128, False),
     "f8k": (2, 8192, 8192, 16, 16, 128, False),
     "d64c8k": (2, 8192, 8192, 32, 32, 64, True),
+    "d64c4k": (4, 4096, 4096, 32, 32, 64, True),
+    "d64f4k": (4, 4096, 4096, 32, 32, 64, False),
+    "d64f8k": (2, 8192, 8192, 32, 32, 64, False),
+    "d64c1k": (16, 1024, 1024, 32, 8, 64, True),  # short GQA rows
 }
 VARIANTS = {  # name: (gluon dK/dV, stages, carry, heads fastest: None = hopper_dkdv.heads_fastest)
     "triton": (False, 2, False, None),
