@@ -30,8 +30,6 @@ def main():
     parser.add_argument("--headdim", type=int, default=128)
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--stages", type=int, default=0, help="0: the module's STAGES")
-    parser.add_argument("--no-carry", action="store_true")
-    parser.add_argument("--skew", action="store_true")
     parser.add_argument("--block-m", type=int, default=0)
     parser.add_argument("--out", default="runs/ir")
     args = parser.parse_args()
@@ -46,7 +44,7 @@ def main():
         bm = args.block_m or hk.BLOCK_M[d]
         descs = {"q_desc": desc(bm), "do_desc": desc(bm), "k_desc": desc(hk.BLOCK_N), "v_desc": desc(hk.BLOCK_N)}
         consts = dict(CAUSAL=args.causal, HEADDIM=d, BLOCK_M=bm, HALF_N=hk.HALF_N, STAGES=args.stages or hk.STAGES,
-                      CARRY=not args.no_carry and hk.CARRY, HEADS_FASTEST=args.causal)
+                      HEADS_FASTEST=args.causal)
     elif args.kernel == "dq":
         fn, maxnreg = hq.attn_bwd_dq_hopper_kernel, hq.MAXNREG
         bn = args.block_n or hq.BLOCK_N
@@ -56,7 +54,7 @@ def main():
         fn, maxnreg = hf.attn_fwd_hopper_kernel, hf.MAXNREG
         descs = {"q_desc": desc(hf.BLOCK_M), "k_desc": desc(hf.BLOCK_N), "v_desc": desc(hf.BLOCK_N)}
         consts = dict(CAUSAL=args.causal, HEADDIM=d, HALF_M=hf.HALF_M, BLOCK_N=hf.BLOCK_N,
-                      STAGES=args.stages or hf.STAGES, SKEW=args.skew)
+                      STAGES=args.stages or hf.STAGES)
     sig = {}
     for name in fn.arg_names:
         if name in consts:

@@ -3,8 +3,9 @@ gradients against the float64 reference, then GPU kernel time (torch profiler) p
 
     python scripts/gluon_check.py [--skip-check] [--shapes 1b,c8k,f8k] [--variants "triton,gluon+fwd+dq"]
 
-A variant is a VARIANTS entry (Gluon dK/dV or not, its stages, CARRY, grid order) plus "+fwd" / "+fwdskew" (the
-Gluon forward, without or with the intra-warpgroup skew) and "+dq" / "+dq128" (the Gluon dQ, 64- or 128-key steps).
+A variant is a VARIANTS entry (Gluon dK/dV or not, its stages, its grid order) plus "+fwd" (the Gluon forward) and
+"+dq" / "+dq128" (the Gluon dQ, 64- or 128-key steps). Round 17's logs also name variants since removed: "carry"
+(dK/dV left in flight into the next step) and "fwdskew" (the forward's intra-warpgroup skew), NOTES.md v19.
 """
 
 import argparse
@@ -20,7 +21,6 @@ from flashpatch import reference  # noqa: E402
 from flashpatch.kernels import config as kc  # noqa: E402
 from flashpatch.kernels import hopper_dkdv as hk  # noqa: E402
 from flashpatch.kernels import hopper_dq as hq  # noqa: E402
-from flashpatch.kernels import hopper_fwd as hf  # noqa: E402
 from profile_kernels import kernel_times  # noqa: E402
 
 CALLS = {"n": 0}
@@ -47,13 +47,12 @@ SHAPES = {
     "d64f8k": (2, 8192, 8192, 32, 32, 64, False),
     "d64c1k": (16, 1024, 1024, 32, 8, 64, True),  # short GQA rows
 }
-VARIANTS = {  # name: (gluon dK/dV, stages, carry, heads fastest: None = hopper_dkdv.heads_fastest)
-    "triton": (False, 2, False, None),
-    "gluon": (True, 2, False, None),
-    "gluon s2": (True, 2, False, None),
-    "gluon heads first": (True, 3, False, True),
-    "gluon blocks first": (True, 3, False, False),
-    "gluon carry": (True, 3, True, None),
+VARIANTS = {  # name: (Gluon dK/dV, its stages, its grid order: None = hopper_dkdv.heads_fastest)
+    "triton": (False, 2, None),
+    "gluon": (True, 2, None),
+    "gluon s3": (True, 3, None),
+    "gluon heads first": (True, 2, True),
+    "gluon blocks first": (True, 2, False),
 }
 
 
@@ -95,19 +94,16 @@ def check():
         out_ref, lse_ref = reference.attention_reference(q, k, v, causal=causal, upcast=True)
         out_low, _ = reference.attention_reference(q, k, v, causal=causal, upcast=False)
         fwd_used = sq % 128 == 0 and sk % 128 == 0
-        for skew in (False, True):
-            hf.SKEW = skew
-            with kc.override(gluon_fwd=True):
-                out_g, lse_g = flashpatch.ops.attn_fwd(q.detach(), k.detach(), v.detach(), None, None, sq, sk, None,
-                                                       0.0, d ** -0.5, -1, 0 if causal else -1, 0.0)
-            e_out = (out_g.double() - out_ref).abs().max().item()
-            e_low = (out_low.double() - out_ref).abs().max().item()
-            lse_ok = torch.allclose(lse_g.double(), lse_ref.double(), rtol=1e-4, atol=1e-4)
-            good = e_out <= 2 * e_low + 1e-5 and lse_ok and not torch.isnan(out_g).any().item()
-            print(f"  forward skew={skew} (gluon {'used' if fwd_used else 'not used'}): out err {e_out:.2e} "
-                  f"(bf16 torch {e_low:.2e}), lse close {lse_ok}{'' if good else ' FAIL'}", flush=True)
-            ok &= good
-        hf.SKEW = False
+        with kc.override(gluon_fwd=True):
+            out_g, lse_g = flashpatch.ops.attn_fwd(q.detach(), k.detach(), v.detach(), None, None, sq, sk, None,
+                                                   0.0, d ** -0.5, -1, 0 if causal else -1, 0.0)
+        e_out = (out_g.double() - out_ref).abs().max().item()
+        e_low = (out_low.double() - out_ref).abs().max().item()
+        lse_ok = torch.allclose(lse_g.double(), lse_ref.double(), rtol=1e-4, atol=1e-4)
+        good = e_out <= 2 * e_low + 1e-5 and lse_ok and not torch.isnan(out_g).any().item()
+        print(f"  forward (gluon {'used' if fwd_used else 'not used'}): out err {e_out:.2e} "
+              f"(bf16 torch {e_low:.2e}), lse close {lse_ok}{'' if good else ' FAIL'}", flush=True)
+        ok &= good
         g_ref = reference_grads(q, k, v, dout, causal, True)
         g_low = reference_grads(q, k, v, dout, causal, False)
         line = []
@@ -134,10 +130,10 @@ def timing(shapes, variants):
         dout = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
         flops = 2.5 * 4 * b * h * sq * sk * d / (2 if causal else 1)
         for name in variants:
-            base, *extras = name.split("+")  # +fwd, +fwdskew: the Gluon forward; +dq, +dq128: the Gluon dQ
-            gluon_fwd, hf.SKEW = any(e.startswith("fwd") for e in extras), "fwdskew" in extras
+            base, *extras = name.split("+")  # +fwd: the Gluon forward; +dq, +dq128: the Gluon dQ
+            gluon_fwd = "fwd" in extras
             gluon_dq, hq.BLOCK_N = any(e.startswith("dq") for e in extras), 128 if "dq128" in extras else 64
-            gluon, hk.STAGES, hk.CARRY, order = VARIANTS[base]
+            gluon, hk.STAGES, order = VARIANTS[base]
             hk.HEADS_FASTEST = order
 
             def step():
@@ -159,7 +155,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--shapes", default="1b,c4k,c8k,f4k,f8k,d64c8k")
-    parser.add_argument("--variants", default="triton,gluon+fwd,gluon+fwd+dq,gluon+fwd+dq128")
+    parser.add_argument("--variants", default="triton,gluon+fwd+dq")
     args = parser.parse_args()
     if not args.skip_check:
         check()

@@ -14,7 +14,7 @@ refilled), which keep its two warpgroups in lockstep, so neither fills the other
 
 The two consumers never wait for each other, only for the producer, so one's softmax runs under the other's matmuls
 (the Triton kernel's CTA barriers forbid that). dK and dV are waited for at the end of each step: leaving them in
-flight into the next (CARRY) makes ptxas serialize the matmuls (warning C7515) and measured 15-20% slower.
+flight into the next made ptxas serialize the matmuls (warning C7515) and measured 15-20% slower (NOTES.md v19).
 
 The steps run over the query heads of the program's GQA group and, within a head, over the query blocks that see
 the program's keys. Scope, checked by `supported`: dense rows whose lengths divide the tiles, bf16/fp16, head dim
@@ -39,7 +39,6 @@ BLOCK_M = {64: 64, 128: 64}  # queries per step, by head dim
 HALF_N = 64  # keys per consumer warpgroup
 BLOCK_N = 2 * HALF_N  # keys per program
 STAGES = 2  # Q/dO ring depth (3 within noise: scripts/gluon_check.py)
-CARRY = False  # leave dK and dV matmuls in flight into the next step (slower: scripts/gluon_check.py)
 HEADS_FASTEST = None  # grid order; None: `heads_fastest` decides
 MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
 
@@ -78,7 +77,7 @@ if AVAILABLE:
                   LSE, DELTA, DK, DV, lse_base, lse_per_head, dk_base, stride_dks, dv_base, stride_dvs,
                   n0, shift, m_lo, n_mblocks, total, qk_scale, softmax_scale,
                   WG: gl.constexpr, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                  HALF_N: gl.constexpr, STAGES: gl.constexpr, CARRY: gl.constexpr):
+                  HALF_N: gl.constexpr, STAGES: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])  # (keys, queries)
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -118,10 +117,9 @@ if AVAILABLE:
             dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
             ds_t = p_t * (dp_t - delta[None, :])
             dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_s, dk, is_async=True)
-            if not CARRY:  # wait here instead of in the next step (ptxas serializes matmuls carried across steps)
-                dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-                dk = warpgroup_mma_init(dk)
-                dv = warpgroup_mma_init(dv)
+            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))  # not carried into the next step: see the docstring
+            dk = warpgroup_mma_init(dk)
+            dv = warpgroup_mma_init(dv)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
 
         offs_key = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, acc_layout))
@@ -136,7 +134,7 @@ if AVAILABLE:
         stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lse_b, stride_lse_h,
         nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
-        STAGES: gl.constexpr, HEADS_FASTEST: gl.constexpr, CARRY: gl.constexpr,
+        STAGES: gl.constexpr, HEADS_FASTEST: gl.constexpr,
     ):
         BLOCK_N: gl.constexpr = 2 * HALF_N
         num_n = gl.cdiv(seqlen_k, BLOCK_N)
@@ -178,11 +176,11 @@ if AVAILABLE:
             (_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
                          lse_base, stride_lse_h, dk_base, stride_dks, dv_base, stride_dvs,
                          n0, shift, m_lo, n_mblocks, total, qk_scale, softmax_scale,
-                         0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, CARRY)),
+                         0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES)),
             (_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
                          lse_base, stride_lse_h, dk_base, stride_dks, dv_base, stride_dvs,
                          n0, shift, m_lo, n_mblocks, total, qk_scale, softmax_scale,
-                         1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, CARRY)),
+                         1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
                          off_b * q_rows[0] + off_h0 * q_rows[1], q_rows[1], off_h0 * q_cols, q_cols,
                          off_b * do_rows[0] + off_h0 * do_rows[1], do_rows[1], off_h0 * do_cols, do_cols,
@@ -228,7 +226,7 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         lse.stride(0), lse.stride(1),
         nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale,
-        CAUSAL=causal, HEADDIM=headdim, BLOCK_M=block_m, HALF_N=HALF_N, STAGES=STAGES, CARRY=CARRY,
+        CAUSAL=causal, HEADDIM=headdim, BLOCK_M=block_m, HALF_N=HALF_N, STAGES=STAGES,
         HEADS_FASTEST=heads_fastest(causal, seqlen_k) if HEADS_FASTEST is None else HEADS_FASTEST,
         num_warps=4, maxnreg=MAXNREG,
     )

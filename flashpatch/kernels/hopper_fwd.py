@@ -8,7 +8,8 @@ consumer warpgroups per program, synchronised by mbarriers.
                          (running max m, running sum l), O = O · exp2(m_old - m) + P V; the stage is released
                          (`empty`, one arrival per consumer) once P V is done.
 
-Neither consumer waits for the other, so one's softmax runs under the other's matmuls. Causal masks are bottom-right
+Neither consumer waits for the other, so one's softmax runs under the other's matmuls. (FA3's intra-warpgroup skew,
+block i's softmax under block i-1's P V, measured 0-8% slower on top of that: NOTES.md v19.) Causal masks are bottom-right
 aligned; the steps that cross the diagonal run a masked copy of the step, the others none. LSE is stored in natural
 log, +inf for a row that sees no key (its output is 0), as the Triton forward does (forward.py), so both backward
 kernels take it. Scope: `supported`.
@@ -31,7 +32,6 @@ HALF_M = 64  # queries per consumer warpgroup
 BLOCK_M = 2 * HALF_M  # queries per program
 BLOCK_N = 128  # keys per step
 STAGES = 2  # K/V ring depth
-SKEW = False  # FA3's intra-warpgroup overlap of block i's softmax with block i-1's P V
 MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
 
 
@@ -85,29 +85,10 @@ if AVAILABLE:
         return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
     @gluon.jit
-    def _fwd_skewed_step(i, acc, p_prev, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m,
-                         offs_n, shift, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr,
-                         STAGES: gl.constexpr):
-        """FA3's intra-warpgroup overlap: Q K_iᵀ and P_(i-1) V_(i-1) are issued together, and block i's softmax runs
-        while the second is in flight."""
-        s = i % STAGES
-        prev = (i - 1) % STAGES
-        mbarrier.wait(ready_k.index(s), (i // STAGES) & 1)
-        qk = warpgroup_mma(q_s, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        mbarrier.wait(ready_v.index(prev), ((i - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p_prev, v_bufs.index(prev), acc, is_async=True)
-        qk = warpgroup_mma_wait(1, deps=(qk, ))
-        p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, MASKED, BLOCK_N)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(empty.index(prev))
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
-        return acc, gl.convert_layout(p.to(q_s.dtype), p_prev.type.layout), m_i, l_i
-
-    @gluon.jit
     def _fwd_consumer(q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base, stride_os, lse_base,
                       m0, shift, n_full, n_steps, qk_scale,
                       WG: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, SKEW: gl.constexpr):
+                      STAGES: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -121,37 +102,12 @@ if AVAILABLE:
         acc = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
 
         mbarrier.wait(q_bar, 0)
-        if SKEW:
-            a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-            p_prev = gl.zeros([HALF_M, BLOCK_N], q_s.dtype, a_layout)
-            if n_steps > 0:  # block 0's scores and softmax; its P V joins block 1's step
-                mbarrier.wait(ready_k.index(0), 0)
-                qk = warpgroup_mma(q_s, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                qk = warpgroup_mma_wait(0, deps=(qk, ))
-                p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, 0, shift, qk_scale, n_full == 0,
-                                                     BLOCK_N)
-                p_prev = gl.convert_layout(p.to(q_s.dtype), a_layout)
-            for i in range(1, n_full):
-                acc, p_prev, m_i, l_i = _fwd_skewed_step(i, acc, p_prev, m_i, l_i, q_s, k_bufs, v_bufs, ready_k,
-                                                         ready_v, empty, zero_s, offs_m, offs_n, shift, qk_scale,
-                                                         False, BLOCK_N, STAGES)
-            for i in range(gl.maximum(n_full, 1), n_steps):
-                acc, p_prev, m_i, l_i = _fwd_skewed_step(i, acc, p_prev, m_i, l_i, q_s, k_bufs, v_bufs, ready_k,
-                                                         ready_v, empty, zero_s, offs_m, offs_n, shift, qk_scale,
-                                                         True, BLOCK_N, STAGES)
-            if n_steps > 0:  # the last block's P V
-                last = (n_steps - 1) % STAGES
-                mbarrier.wait(ready_v.index(last), ((n_steps - 1) // STAGES) & 1)
-                acc = warpgroup_mma(p_prev, v_bufs.index(last), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-                mbarrier.arrive(empty.index(last))
-        else:
-            for i in range(0, n_full):
-                acc, m_i, l_i = _fwd_step(i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
-                                          offs_m, offs_n, shift, qk_scale, False, BLOCK_N, STAGES)
-            for i in range(n_full, n_steps):
-                acc, m_i, l_i = _fwd_step(i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
-                                          offs_m, offs_n, shift, qk_scale, True, BLOCK_N, STAGES)
+        for i in range(0, n_full):
+            acc, m_i, l_i = _fwd_step(i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
+                                      offs_m, offs_n, shift, qk_scale, False, BLOCK_N, STAGES)
+        for i in range(n_full, n_steps):
+            acc, m_i, l_i = _fwd_step(i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
+                                      offs_m, offs_n, shift, qk_scale, True, BLOCK_N, STAGES)
 
         empty_row = l_i == 0.0  # the row sees no key: output 0, LSE +inf (so backward recomputes P = 0)
         lse = gl.where(empty_row, float("inf"), (m_i + gl.log2(gl.where(empty_row, 1.0, l_i))) * 0.6931471805599453)
@@ -169,7 +125,7 @@ if AVAILABLE:
         stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
         nheads, group_size, seqlen_q, seqlen_k, qk_scale,
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, SKEW: gl.constexpr,
+        STAGES: gl.constexpr,
     ):
         BLOCK_M: gl.constexpr = 2 * HALF_M
         num_m = gl.cdiv(seqlen_q, BLOCK_M)
@@ -208,9 +164,9 @@ if AVAILABLE:
         lse_base = off_b * stride_lse_b + off_h * stride_lse_h
         gl.warp_specialize([
             (_fwd_consumer, (q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base, stride_os,
-                             lse_base, m0, shift, n_full, n_steps, qk_scale, 0, HEADDIM, HALF_M, BLOCK_N, STAGES, SKEW)),
+                             lse_base, m0, shift, n_full, n_steps, qk_scale, 0, HEADDIM, HALF_M, BLOCK_N, STAGES)),
             (_fwd_consumer, (q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base, stride_os,
-                             lse_base, m0, shift, n_full, n_steps, qk_scale, 1, HEADDIM, HALF_M, BLOCK_N, STAGES, SKEW)),
+                             lse_base, m0, shift, n_full, n_steps, qk_scale, 1, HEADDIM, HALF_M, BLOCK_N, STAGES)),
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
                              off_b * q_rows[0] + off_h * q_rows[1] + m0, off_h * q_cols,
                              off_b * k_rows[0] + off_hk * k_rows[1], off_hk * k_cols,
@@ -241,6 +197,6 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool) -> None:
         q_desc, k_desc, v_desc, out, lse, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale,
-        CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES, SKEW=SKEW,
+        CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         num_warps=4, maxnreg=MAXNREG,
     )
