@@ -147,8 +147,8 @@ def timing(shapes, variants):
             dq_time = sum(t for key, t in times.items() if "_dq_" in key)
             bwd = sum(t for key, t in times.items() if key.startswith("attn_bwd"))
             fwd = sum(t for key, t in times.items() if key.startswith("attn_fwd"))
-            print(f"| {shape} | {name} | {fwd:.3f} | {flops / 2.5 / fwd * 1e-9:.0f} | {dkdv:.3f} | {dq_time:.3f} | {bwd:.3f} | "
-                  f"{flops / bwd * 1e-9:.0f} |", flush=True)
+            print(f"| {shape} | {name} | {fwd:.3f} | {flops / 2.5 / fwd * 1e-9:.0f} | {dkdv:.3f} | {dq_time:.3f} | "
+                  f"{bwd:.3f} | {flops / bwd * 1e-9:.0f} |", flush=True)
 
 
 def main():

@@ -1,4 +1,4 @@
-"""What the Gluon Hopper kernels (hopper_fwd.py, hopper_dkdv.py) share on the host: whether Gluon imports, which
+"""What the Gluon Hopper kernels (hopper_fwd.py, hopper_dkdv.py, hopper_dq.py) share on the host: whether Gluon imports, which
 calls they may take, and the 2-D TMA views of (B, S, H, D) tensors they load from."""
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ def rows_view(t: torch.Tensor):
 
 def sm90_dense_ok(*tensors: torch.Tensor, varlen: bool, window_left: int, window_right: int, softcap: float,
                   dropout_p: float) -> bool:
-    """The scope the Gluon kernels share: sm_90 with Gluon enabled (`enabled`), dense (B, S, H, D) tensors that `rows_view` maps, bf16
-    or fp16, head dim 64 or 128, causal or unmasked, no softcap or dropout, 32-bit element offsets. Each kernel
-    adds its tile divisibility."""
+    """The scope the Gluon kernels share: sm_90 with Gluon enabled (`enabled`), dense (B, S, H, D) tensors that
+    `rows_view` maps, bf16 or fp16, head dim 64 or 128, causal or unmasked, no softcap or dropout, 32-bit element
+    offsets. Each kernel adds its tile divisibility."""
     q = tensors[0]
     if not (enabled() and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
         return False

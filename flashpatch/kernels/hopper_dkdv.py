@@ -9,8 +9,8 @@ refilled), which keep its two warpgroups in lockstep, so neither fills the other
                          and dO into a ring of STAGES buffers, each signalled by its `ready` mbarrier.
   consumer w (4 warps):  keys [n0 + 64 w, n0 + 64 w + 64): per step, Sᵀ = K Qᵀ and dPᵀ = V dOᵀ issued together,
                          P from Sᵀ while dPᵀ runs, dV += Pᵀ dO issued, dS from dPᵀ while dV runs, dK += dSᵀ Q;
-                         the stage is released (`empty`, one arrival per consumer) once the next step's Sᵀ is
-                         done, which, matmuls completing in order, means this step's dV and dK are too.
+                         dV and dK are waited for at the end of the step, and the stage is released (`empty`,
+                         one arrival per consumer) once the next step's Sᵀ is done.
 
 The two consumers never wait for each other, only for the producer, so one's softmax runs under the other's matmuls
 (the Triton kernel's CTA barriers forbid that). dK and dV are waited for at the end of each step: leaving them in
@@ -67,10 +67,9 @@ if AVAILABLE:
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            tma_load(q_desc, [q_row + g * q_row_per_head + m0, q_col + g * q_col_per_head],
-                                            bar, q_bufs.index(s))
-            tma_load(do_desc, [do_row + g * do_row_per_head + m0,
-                                                      do_col + g * do_col_per_head], bar, do_bufs.index(s))
+            tma_load(q_desc, [q_row + g * q_row_per_head + m0, q_col + g * q_col_per_head], bar, q_bufs.index(s))
+            tma_load(do_desc, [do_row + g * do_row_per_head + m0, do_col + g * do_col_per_head], bar,
+                     do_bufs.index(s))
 
     @gluon.jit
     def _consumer(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
@@ -90,7 +89,7 @@ if AVAILABLE:
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
         offs_n = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
         zero_s = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)
-        # accumulators stay in flight across steps, so the loop carries them as pending matmul results
+        # the loop carries dK and dV typed as pending matmul results (each step re-wraps its waited values)
         dk = warpgroup_mma_init(gl.zeros([HALF_N, HEADDIM], gl.float32, acc_layout))
         dv = warpgroup_mma_init(gl.zeros([HALF_N, HEADDIM], gl.float32, acc_layout))
 
@@ -107,8 +106,7 @@ if AVAILABLE:
             s_t = warpgroup_mma(k_s, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (HALF_N, BM)
             dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             s_t = warpgroup_mma_wait(1, deps=(s_t, ))
-            # matmuls complete in issue order: the previous step's dV and dK, issued before Sᵀ, are done too, so
-            # their stage can be refilled
+            # the previous step's stage can be refilled: its matmuls were waited for at the end of that step
             mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
             p_t = gl.exp2(s_t * qk_scale - lse_log2[None, :])
             if CAUSAL:  # bottom-right aligned: key n is visible from query m when n <= m + Sk - Sq

@@ -8,11 +8,11 @@ consumer warpgroups per program, synchronised by mbarriers.
                          (running max m, running sum l), O = O · exp2(m_old - m) + P V; the stage is released
                          (`empty`, one arrival per consumer) once P V is done.
 
-Neither consumer waits for the other, so one's softmax runs under the other's matmuls. (FA3's intra-warpgroup skew,
-block i's softmax under block i-1's P V, measured 0-8% slower on top of that: NOTES.md v19.) Causal masks are bottom-right
-aligned; the steps that cross the diagonal run a masked copy of the step, the others none. LSE is stored in natural
-log, +inf for a row that sees no key (its output is 0), as the Triton forward does (forward.py), so both backward
-kernels take it. Scope: `supported`.
+Neither consumer waits for the other, so one's softmax runs under the other's matmuls. (FA3's intra-warpgroup
+skew, block i's softmax under block i-1's P V, measured 0-8% slower on top of that: NOTES.md v19.) Causal masks
+are bottom-right aligned; the steps that cross the diagonal run a masked copy of the step, the others none. LSE is
+stored in natural log, +inf for a row that sees no key (its output is 0), as the Triton forward does (forward.py),
+so both backward kernels take it. Scope: `supported`.
 """
 
 from __future__ import annotations
