@@ -252,3 +252,19 @@ def test_gluon_switch_and_triton_release_gate(monkeypatch):
     monkeypatch.delenv("FLASHPATCH_GLUON")
     monkeypatch.setattr(hopper_common.triton, "__version__", "3.9.0")  # a release the kernels were not checked on
     assert not hopper_common.enabled()
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1024, 1024), (1000, 1024), (1024, 1000), (17, 113), (1, 128)])
+def test_gluon_kernels_take_only_lengths_that_divide_their_tiles(monkeypatch, seqlen_q, seqlen_k):
+    # The 2-D TMA views run on into the next head's rows, so a partial tile must go to the Triton kernels.
+    from flashpatch.kernels import hopper_dkdv, hopper_dq, hopper_fwd
+
+    for module in (hopper_fwd, hopper_dkdv, hopper_dq):
+        monkeypatch.setattr(module, "sm90_dense_ok", lambda *tensors, **scope: True)
+    q, k, v = random_qkv(1, seqlen_q, seqlen_k, 2, 2, 128, torch.float16, requires_grad=False)
+    scope = dict(varlen=False, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, window_left=-1, window_right=0,
+                 softcap=0.0, dropout_p=0.0)
+    divides = seqlen_q % 128 == 0 and seqlen_k % 128 == 0
+    assert hopper_fwd.supported(q, k, v, **scope) == divides
+    assert hopper_dq.supported(q, k, v, q, **scope) == divides
+    assert hopper_dkdv.supported(q, k, v, q, **scope) == (seqlen_q % 64 == 0 and seqlen_k % 128 == 0)

@@ -7,7 +7,7 @@
                          once dS K is done.
 
 Reads the LSE (natural log) and delta = rowsum(dO * O) that the forward and backward.py's preprocess kernel wrote.
-Scope: `supported`, the same as hopper_fwd.py's.
+Its programs, K/V ring and producer loop are the forward's (hopper_fwd.py). Scope: `supported`, the same.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ if AVAILABLE:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+
+    from flashpatch.kernels.hopper_fwd import allocate_kv_ring, query_block_program, stream_kv
 
 HALF_M = 64  # queries per consumer warpgroup
 BLOCK_M = 2 * HALF_M  # queries per program
@@ -39,13 +41,8 @@ if AVAILABLE:
         mbarrier.expect(qdo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma_load(q_desc, [q_row, q_col], qdo_bar, q_smem)
         tma_load(do_desc, [do_row, do_col], qdo_bar, do_smem)
-        for i in range(n_steps):
-            s = i % STAGES
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh mbarrier passes the first lap
-            mbarrier.expect(ready_k.index(s), k_desc.block_type.nbytes)
-            tma_load(k_desc, [k_row + i * BLOCK_N, k_col], ready_k.index(s), k_bufs.index(s))
-            mbarrier.expect(ready_v.index(s), v_desc.block_type.nbytes)
-            tma_load(v_desc, [v_row + i * BLOCK_N, v_col], ready_v.index(s), v_bufs.index(s))
+        stream_kv(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, k_row, k_col, v_row, v_col, n_steps,
+                  BLOCK_N, STAGES)
 
     @gluon.jit
     def _dq_step(i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta, offs_m, offs_n,
@@ -108,37 +105,12 @@ if AVAILABLE:
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr,
     ):
-        BLOCK_M: gl.constexpr = 2 * HALF_M
-        num_m = gl.cdiv(seqlen_q, BLOCK_M)
-        pid = gl.program_id(0)
-        off_bh = pid // num_m  # a head's query blocks side by side: they share its K and V in L2
-        pid_m = pid % num_m
-        if CAUSAL:
-            pid_m = num_m - 1 - pid_m  # the heaviest query blocks first
-        off_b = off_bh // nheads
-        off_h = off_bh % nheads
-        off_hk = off_h // group_size
-        m0 = pid_m * BLOCK_M
-        shift = seqlen_k - seqlen_q
-        n_steps = gl.cdiv(seqlen_k, BLOCK_N)
-        n_full = n_steps
-        if CAUSAL:
-            n_end = gl.minimum(gl.maximum(m0 + BLOCK_M + shift, 0), seqlen_k)
-            n_steps = gl.cdiv(n_end, BLOCK_N)
-            n_full = gl.minimum(gl.maximum(m0 + shift + 1, 0) // BLOCK_N, n_steps)  # blocks below the diagonal
-
+        off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_program(
+            seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N)
         q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
         do_smem = gl.allocate_shared_memory(do_desc.dtype, do_desc.block_type.shape, do_desc.layout)
-        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        ready_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        ready_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_bufs, v_bufs, ready_k, ready_v, empty = allocate_kv_ring(k_desc, v_desc, STAGES)
         qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready_k.index(s), count=1)
-            mbarrier.init(ready_v.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
         mbarrier.init(qdo_bar, count=1)
         fence_async_shared()
 

@@ -38,11 +38,49 @@ MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to th
 if AVAILABLE:
 
     @gluon.jit
-    def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
-                      q_row, q_col, k_row, k_col, v_row, v_col, n_steps,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma_load(q_desc, [q_row, q_col], q_bar, q_smem)
+    def query_block_program(seqlen_q, seqlen_k, nheads, group_size, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr):
+        """This program's query block (also hopper_dq.py's): (batch, head, K/V head, first query row, Sk - Sq,
+        key blocks below the diagonal, key blocks to visit)."""
+        num_m = gl.cdiv(seqlen_q, BLOCK_M)
+        pid = gl.program_id(0)
+        off_bh = pid // num_m  # a head's query blocks side by side: they share its K and V in L2
+        pid_m = pid % num_m
+        if CAUSAL:
+            pid_m = num_m - 1 - pid_m  # the heaviest query blocks first
+        off_b = off_bh // nheads
+        off_h = off_bh % nheads
+        off_hk = off_h // group_size
+        m0 = pid_m * BLOCK_M
+        shift = seqlen_k - seqlen_q
+        n_steps = gl.cdiv(seqlen_k, BLOCK_N)
+        n_full = n_steps
+        if CAUSAL:
+            n_end = gl.minimum(gl.maximum(m0 + BLOCK_M + shift, 0), seqlen_k)
+            n_steps = gl.cdiv(n_end, BLOCK_N)
+            n_full = gl.minimum(gl.maximum(m0 + shift + 1, 0) // BLOCK_N, n_steps)  # blocks below the diagonal
+        return off_b, off_h, off_hk, m0, shift, n_full, n_steps
+
+    @gluon.jit
+    def allocate_kv_ring(k_desc, v_desc, STAGES: gl.constexpr):
+        """The K/V ring (also hopper_dq.py's): STAGES (BLOCK_N, D) tiles of each, a `ready` mbarrier per tile and an
+        `empty` one per stage, which both consumer warpgroups arrive at."""
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        ready_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready_k.index(s), count=1)
+            mbarrier.init(ready_v.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+        return k_bufs, v_bufs, ready_k, ready_v, empty
+
+    @gluon.jit
+    def stream_kv(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, k_row, k_col, v_row, v_col, n_steps,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """The producer's loop (also hopper_dq.py's): key block i into stage i % STAGES once both consumers have
+        released it; K and V signal separately, so Q Kᵀ can start before V has landed."""
         for i in range(n_steps):
             s = i % STAGES
             # a fresh mbarrier counts as having completed the phase before 0, so the first lap does not wait
@@ -51,6 +89,15 @@ if AVAILABLE:
             tma_load(k_desc, [k_row + i * BLOCK_N, k_col], ready_k.index(s), k_bufs.index(s))
             mbarrier.expect(ready_v.index(s), v_desc.block_type.nbytes)
             tma_load(v_desc, [v_row + i * BLOCK_N, v_col], ready_v.index(s), v_bufs.index(s))
+
+    @gluon.jit
+    def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
+                      q_row, q_col, k_row, k_col, v_row, v_col, n_steps,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma_load(q_desc, [q_row, q_col], q_bar, q_smem)
+        stream_kv(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, k_row, k_col, v_row, v_col, n_steps,
+                  BLOCK_N, STAGES)
 
     @gluon.jit
     def _fwd_step(i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift,
@@ -127,36 +174,11 @@ if AVAILABLE:
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr,
     ):
-        BLOCK_M: gl.constexpr = 2 * HALF_M
-        num_m = gl.cdiv(seqlen_q, BLOCK_M)
-        pid = gl.program_id(0)
-        off_bh = pid // num_m  # a head's query blocks side by side: they share its K and V in L2
-        pid_m = pid % num_m
-        if CAUSAL:
-            pid_m = num_m - 1 - pid_m  # the heaviest query blocks first
-        off_b = off_bh // nheads
-        off_h = off_bh % nheads
-        off_hk = off_h // group_size
-        m0 = pid_m * BLOCK_M
-        shift = seqlen_k - seqlen_q
-        n_steps = gl.cdiv(seqlen_k, BLOCK_N)
-        n_full = n_steps
-        if CAUSAL:
-            n_end = gl.minimum(gl.maximum(m0 + BLOCK_M + shift, 0), seqlen_k)
-            n_steps = gl.cdiv(n_end, BLOCK_N)
-            n_full = gl.minimum(gl.maximum(m0 + shift + 1, 0) // BLOCK_N, n_steps)  # blocks below the diagonal
-
+        off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_program(
+            seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N)
         q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
-        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        ready_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        ready_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_bufs, v_bufs, ready_k, ready_v, empty = allocate_kv_ring(k_desc, v_desc, STAGES)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready_k.index(s), count=1)
-            mbarrier.init(ready_v.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
         mbarrier.init(q_bar, count=1)
         fence_async_shared()
 
