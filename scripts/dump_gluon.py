@@ -72,7 +72,7 @@ def main():
         else:
             sig[name] = "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if name in ("LSE", "DELTA", "DK", "DV", "O", "DQ")}
+             if name in ("LSE", "DELTA", "DK", "DV", "O", "DQ") or name.startswith("stride_")}
     src = GluonASTSource(fn, sig, consts, attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": 4, "maxnreg": maxnreg})

@@ -84,7 +84,8 @@ GLUON_CASES = [
     (1, 640, 1152, 4, 2, 128, True, "bshd"),  # Sq < Sk: causal aligned bottom-right
     (2, 384, 128, 4, 1, 128, True, "bshd"),  # Sq > Sk: the first 256 queries see no key
     (2, 512, 512, 4, 4, 128, False, "bhsd"),  # (B, H, S, D) in memory, as transformers' projections give
-    (1, 1024, 2048, 2, 1, 64, False, "bshd"),  # head dim 64: supported, not chosen by config.py
+    (1, 1024, 2048, 2, 1, 64, False, "bshd"),  # head dim 64 (config.py: the forward only, without a mask)
+    (1, 2048, 2048, 4, 2, 64, True, "bshd"),  # head dim 64 causal (config.py: dK/dV past 1024 queries)
 ]
 
 

@@ -96,6 +96,13 @@ def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool
                                         blocks_fastest=bwd_blocks_fastest)),
             bwd_dq=LaunchConfig(128, 64, num_warps=4, num_stages=3, blocks_fastest=bwd_blocks_fastest, tma=masked),
             atomic_dq=False,
+            # Round 18 (round18_gluon_d64.log, GPU kernel time, Triton -> Gluon): the Gluon forward wins without a
+            # mask (n4096 / n8192 1.40 / 2.88 -> 1.31 / 2.54-2.63 ms) but not with one (causal n4096 0.728 ->
+            # 0.739, n1024 GQA 0.26 -> 0.30); Gluon dK/dV wins on causal rows past SHORT (n4096 / n8192 1.53 / 3.03
+            # -> 1.47 / 2.79) and loses without a mask (2.39 -> 2.63) and on short GQA rows (0.40 -> 0.47); the
+            # Gluon dQ loses everywhere (n8192 causal 1.33 -> 1.41-1.46). Only where they apply (head dim 64).
+            gluon_fwd=not masked,
+            gluon_dkdv=masked and not short,
         )
     elif block_d <= 128 and masked:
         # Round 3, n8192 backward: causal 288 TFLOP/s (was 257). Round 10: dQ through TMA, 295 / 321 -> 299 / 324
