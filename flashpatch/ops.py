@@ -112,6 +112,17 @@ def _grid(heads: int, num_blocks: int, blocks_fastest: bool) -> tuple[int, ...]:
     return (heads * num_blocks,) if blocks_fastest else (heads, num_blocks)
 
 
+def _head_group(cfg: kernel_config.LaunchConfig, varlen: bool, window_left: int, window_right: int, max_seqlen: int,
+                device: torch.device, by_keys: bool = False) -> int:
+    """The grid order of a `blocks_fastest` launch (config.head_group): by how much a block's work varies, which
+    the rule knows for dense causal rows; the rest keep a head's blocks side by side (1)."""
+    if not cfg.blocks_fastest:
+        return 1  # unused: a 2-D grid
+    causal = not varlen and window_left < 0 and window_right == 0
+    return kernel_config.head_group(causal, triton.cdiv(max_seqlen, cfg.block_n if by_keys else cfg.block_m),
+                                    device)
+
+
 def _even(enabled: bool, varlen: bool, headdim: int, *length_and_tile: int) -> bool:
     """Every inner-loop tile lies in bounds: dense (varlen sequences end anywhere), the head dim is a power of two
     (no padded columns), and each (length, tile) pair divides."""
@@ -187,6 +198,7 @@ def attn_fwd(
         HEADDIM=headdim, BLOCK_D=triton.next_power_of_2(headdim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **_common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype),
         TMA=tma, BLOCKS_FASTEST=cfg.blocks_fastest,
+        HEAD_GROUP=_head_group(cfg, varlen, window_left, window_right, max_seqlen_q, q.device),
         EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, cfg.block_n),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -274,6 +286,7 @@ def attn_bwd(
             qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
             HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq,
             TMA=tma_dkdv, BLOCKS_FASTEST=c.blocks_fastest,
+            HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_k, q.device, by_keys=True),
             EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_q, c.block_m), DP_FIRST=c.dp_first, **flags,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
@@ -290,7 +303,9 @@ def attn_bwd(
             nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
             qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
             HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, TMA=tma_dq,
-            BLOCKS_FASTEST=c.blocks_fastest, EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, c.block_n),
+            BLOCKS_FASTEST=c.blocks_fastest,
+            HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_q, q.device),
+            EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, c.block_n),
             **flags,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )

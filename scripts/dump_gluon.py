@@ -31,6 +31,7 @@ def main():
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--stages", type=int, default=0, help="0: the module's STAGES")
     parser.add_argument("--block-m", type=int, default=0)
+    parser.add_argument("--head-group", type=int, default=1, help="grid order (hopper_common.grid_tile)")
     parser.add_argument("--out", default="runs/ir")
     args = parser.parse_args()
     d = args.headdim
@@ -44,17 +45,18 @@ def main():
         bm = args.block_m or hk.BLOCK_M[d]
         descs = {"q_desc": desc(bm), "do_desc": desc(bm), "k_desc": desc(hk.BLOCK_N), "v_desc": desc(hk.BLOCK_N)}
         consts = dict(CAUSAL=args.causal, HEADDIM=d, BLOCK_M=bm, HALF_N=hk.HALF_N, STAGES=args.stages or hk.STAGES,
-                      HEADS_FASTEST=args.causal)
+                      HEAD_GROUP=args.head_group)
     elif args.kernel == "dq":
         fn, maxnreg = hq.attn_bwd_dq_hopper_kernel, hq.MAXNREG
         bn = args.block_n or hq.BLOCK_N
         descs = {"q_desc": desc(hq.BLOCK_M), "do_desc": desc(hq.BLOCK_M), "k_desc": desc(bn), "v_desc": desc(bn)}
-        consts = dict(CAUSAL=args.causal, HEADDIM=d, HALF_M=hq.HALF_M, BLOCK_N=bn, STAGES=args.stages or hq.STAGES)
+        consts = dict(CAUSAL=args.causal, HEADDIM=d, HALF_M=hq.HALF_M, BLOCK_N=bn, STAGES=args.stages or hq.STAGES,
+                      HEAD_GROUP=args.head_group)
     else:
         fn, maxnreg = hf.attn_fwd_hopper_kernel, hf.MAXNREG
         descs = {"q_desc": desc(hf.BLOCK_M), "k_desc": desc(hf.BLOCK_N), "v_desc": desc(hf.BLOCK_N)}
         consts = dict(CAUSAL=args.causal, HEADDIM=d, HALF_M=hf.HALF_M, BLOCK_N=hf.BLOCK_N,
-                      STAGES=args.stages or hf.STAGES)
+                      STAGES=args.stages or hf.STAGES, HEAD_GROUP=args.head_group)
     sig = {}
     for name in fn.arg_names:
         if name in consts:

@@ -3,8 +3,9 @@ gradients against the float64 reference, then GPU kernel time (torch profiler) p
 
     python scripts/gluon_check.py [--skip-check] [--shapes 1b,c8k,f8k] [--variants "triton,gluon+fwd+dq"]
 
-A variant is a VARIANTS entry (Gluon dK/dV or not, its stages, its grid order) plus "+fwd" (the Gluon forward) and
-"+dq" / "+dq128" (the Gluon dQ, 64- or 128-key steps). Round 17's logs also name variants since removed: "carry"
+A variant is a VARIANTS entry (Gluon dK/dV or not, its stages, its grid order) plus "+fwd" (the Gluon forward),
+"+dq" / "+dq128" (the Gluon dQ, 64- or 128-key steps) and "+gN" (every kernel's grid in head groups of N,
+config.head_group; g0: all heads in one group). Round 17's logs also name variants since removed: "carry"
 (dK/dV left in flight into the next step) and "fwdskew" (the forward's intra-warpgroup skew), NOTES.md v19.
 """
 
@@ -34,11 +35,13 @@ def _counted(*args, **kwargs):
 
 hk.attn_bwd_dkdv = _counted
 
-# name: (batch, seqlen_q, seqlen_k, heads, kv heads, head dim, causal)
+# name: (batch, seqlen_q, seqlen_k, heads, kv heads, head dim, causal[, dropout p])
 SHAPES = {
     "1b": (8, 1024, 1024, 16, 4, 128, True),  # the 1B recipe's attention
     "c4k": (4, 4096, 4096, 16, 16, 128, True),
     "c8k": (2, 8192, 8192, 16, 16, 128, True),
+    "c16k": (1, 16384, 16384, 16, 16, 128, True),
+    "g2k": (8, 2048, 2048, 16, 4, 128, True),  # bench_attention.py's GQA 16/4 row
     "f4k": (4, 4096, 4096, 16, 16, 128, False),
     "f8k": (2, 8192, 8192, 16, 16, 128, False),
     "d64c8k": (2, 8192, 8192, 32, 32, 64, True),
@@ -46,19 +49,21 @@ SHAPES = {
     "d64f4k": (4, 4096, 4096, 32, 32, 64, False),
     "d64f8k": (2, 8192, 8192, 32, 32, 64, False),
     "d64c1k": (16, 1024, 1024, 32, 8, 64, True),  # short GQA rows
+    "dropc2k": (8, 2048, 2048, 16, 16, 128, True, 0.1),  # attention dropout: the Triton kernels
+    "dropc8k": (2, 8192, 8192, 16, 16, 128, True, 0.1),
 }
-VARIANTS = {  # name: (Gluon dK/dV, its stages, its grid order: None = hopper_dkdv.heads_fastest)
+VARIANTS = {  # name: (Gluon dK/dV, its stages, its grid order: None = config.head_group's)
     "triton": (False, 2, None),
     "gluon": (True, 2, None),
     "gluon s3": (True, 3, None),
-    "gluon heads first": (True, 2, True),
-    "gluon blocks first": (True, 2, False),
+    "gluon heads first": (True, 2, 0),
+    "gluon blocks first": (True, 2, 1),
 }
 
 
-def grads(q, k, v, dout, causal, gluon, gluon_fwd=False, gluon_dq=False):
+def grads(q, k, v, dout, causal, gluon, gluon_fwd=False, gluon_dq=False, dropout_p=0.0):
     with kc.override(gluon_dkdv=gluon, gluon_fwd=gluon_fwd, gluon_dq=gluon_dq):
-        out = flashpatch.flash_attn_func(q, k, v, causal=causal)
+        out = flashpatch.flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal)
         return torch.autograd.grad(out, (q, k, v), dout)
 
 
@@ -124,7 +129,7 @@ def timing(shapes, variants):
     print("| shape | variant | forward ms | fwd TFLOP/s | dK/dV ms | dQ ms | backward ms | bwd TFLOP/s |\n"
           "|---|---|---|---|---|---|---|---|")
     for shape in shapes:
-        b, sq, sk, h, hk_, d, causal = SHAPES[shape]
+        b, sq, sk, h, hk_, d, causal, *dropout = SHAPES[shape]
         q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         k, v = (torch.randn(b, sk, hk_, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
         dout = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
@@ -134,10 +139,11 @@ def timing(shapes, variants):
             gluon_fwd = "fwd" in extras
             gluon_dq, hq.BLOCK_N = any(e.startswith("dq") for e in extras), 128 if "dq128" in extras else 64
             gluon, hk.STAGES, order = VARIANTS[base]
-            hk.HEADS_FASTEST = order
+            groups = [int(e[1:]) for e in extras if e[:1] == "g" and e[1:].isdigit()]
+            kc.HEAD_GROUP_OVERRIDE = groups[0] if groups else order
 
             def step():
-                grads(q, k, v, dout, causal, gluon, gluon_fwd, gluon_dq)
+                grads(q, k, v, dout, causal, gluon, gluon_fwd, gluon_dq, *dropout)
             try:
                 times = dict(kernel_times(step, iters=20))
             except Exception as err:  # noqa: BLE001 - a variant that does not build is a result
@@ -156,8 +162,11 @@ def main():
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--shapes", default="1b,c4k,c8k,f4k,f8k,d64c8k")
     parser.add_argument("--variants", default="triton,gluon+fwd+dq")
+    parser.add_argument("--check-head-group", type=int, default=None,
+                        help="the check's grid order (config.head_group); default: its rule")
     args = parser.parse_args()
     if not args.skip_check:
+        kc.HEAD_GROUP_OVERRIDE = args.check_head_group
         check()
     timing(args.shapes.split(","), args.variants.split(","))
 

@@ -1,5 +1,5 @@
-"""The launch variants the GPU configs choose between compute the same function: both grid orders
-(LaunchConfig.blocks_fastest) and tensor-descriptor (TMA) tiles, checked against the float64 reference.
+"""The launch variants the GPU configs choose between compute the same function: the grid orders
+(LaunchConfig.blocks_fastest, config.head_group) and tensor-descriptor (TMA) tiles, checked against the float64 reference.
 
 The interpreter runs tensor descriptors (loads and stores, not the bulk reduce-add of atomic dQ), so the TMA
 paths are forced on here by declaring the device capable; tests/test_gpu.py checks them on the GPU, atomic dQ
@@ -29,9 +29,11 @@ def tma_capable(monkeypatch):
     monkeypatch.setattr(ops, "_tma_supported", lambda device: True)
 
 
-@pytest.mark.parametrize("blocks_fastest", [False, True])
+@pytest.mark.parametrize("blocks_fastest,head_group", [(False, None), (True, None), (True, 3), (True, 0)])
 @pytest.mark.parametrize("kwargs", [{"causal": True}, {"window_size": (9, 3)}, {}], ids=str)
-def test_grid_orders_match_reference(blocks_fastest, kwargs):
+def test_grid_orders_match_reference(blocks_fastest, head_group, kwargs, monkeypatch):
+    # head groups (config.head_group): 3 leaves a partial last group (8 query heads, 4 K/V heads); 0 is one group
+    monkeypatch.setattr(kernel_config, "HEAD_GROUP_OVERRIDE", head_group)
     q, k, v = random_qkv(2, 45, 70, 4, 2, 32, torch.float32)
     with kernel_config.override(**launches(blocks_fastest, tma=False)):
         out = flashpatch.flash_attn_func(q, k, v, **kwargs)
@@ -242,6 +244,19 @@ def test_gluon_kernels_chosen_where_they_measured_faster():
                                     (True, False, (False, True)), (True, True, (False, False))):
         cfg = kernel_config.configs_for(64, True, masked=masked, aligned=True, short=short)
         assert (cfg.gluon_fwd, cfg.gluon_dkdv) == expected and not cfg.gluon_dq, (masked, short)
+
+
+def test_causal_grids_end_on_many_heads_light_blocks(monkeypatch):
+    monkeypatch.setattr(kernel_config, "_sm_count", lambda device: 132)
+    gpu = torch.device("cuda", 0)
+    assert kernel_config.head_group(False, 32, gpu) == 1  # every block costs the same: head-major
+    assert kernel_config.head_group(True, 8, gpu) == 0  # short rows: all heads in one group
+    # about one wave of programs per group (132 SMs): n2048 / 4096 / 8192 / 16384 / 32768 with 128-row blocks
+    assert [kernel_config.head_group(True, n // 128, gpu) for n in (2048, 4096, 8192, 16384, 32768)] == \
+        [8, 4, 2, 1, 1]
+    assert kernel_config.head_group(True, 32, torch.device("cpu")) == 1  # the interpreter: order is moot
+    monkeypatch.setattr(kernel_config, "HEAD_GROUP_OVERRIDE", 3)
+    assert kernel_config.head_group(False, 32, gpu) == 3
 
 
 def test_gluon_switch_and_triton_release_gate(monkeypatch):

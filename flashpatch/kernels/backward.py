@@ -141,9 +141,10 @@ def attn_bwd_dkdv_kernel(
     HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, BLOCKS_FASTEST: tl.constexpr, EVEN: tl.constexpr, DP_FIRST: tl.constexpr,
+    TMA: tl.constexpr, BLOCKS_FASTEST: tl.constexpr, HEAD_GROUP: tl.constexpr, EVEN: tl.constexpr,
+    DP_FIRST: tl.constexpr,
 ):
-    off_bhk, pid_n = head_and_block(tl.cdiv(max_seqlen_k, BLOCK_N), BLOCKS_FASTEST)
+    off_bhk, pid_n = head_and_block(tl.cdiv(max_seqlen_k, BLOCK_N), BLOCKS_FASTEST, HEAD_GROUP)
     off_b = (off_bhk // nheads_k).to(tl.int64)
     off_hk = (off_bhk % nheads_k).to(tl.int64)
     q_start, seqlen_q, k_start, seqlen_k = seq_bounds(
@@ -290,11 +291,11 @@ def attn_bwd_dq_kernel(
     HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    BLOCKS_FASTEST: tl.constexpr, EVEN: tl.constexpr,
+    BLOCKS_FASTEST: tl.constexpr, HEAD_GROUP: tl.constexpr, EVEN: tl.constexpr,
 ):
     off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, m0 = query_block_program(
         CU_SEQLENS_Q, CU_SEQLENS_K, nheads, group_size, max_seqlen_q, max_seqlen_k, BLOCK_M, IS_VARLEN,
-        BLOCKS_FASTEST)
+        BLOCKS_FASTEST, HEAD_GROUP)
     if m0 >= seqlen_q:
         return
 

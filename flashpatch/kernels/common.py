@@ -27,27 +27,36 @@ def seq_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, off_b, max_seqlen_q, max_seqlen_k, IS
 
 
 @triton.jit
-def head_and_block(num_blocks, BLOCKS_FASTEST: tl.constexpr):
-    """(batch * head index, block index) of this program. BLOCKS_FASTEST: a 1-D grid in which consecutive
-    programs take consecutive blocks of one head, so the programs running at once stream the same few heads'
-    tiles and find them in L2. Otherwise batch * heads on axis 0 (its limit is 2^31 - 1, axis 1's is 65535) and
-    blocks on axis 1, so the programs running at once each stream a different head."""
+def head_and_block(num_blocks, BLOCKS_FASTEST: tl.constexpr, HEAD_GROUP: tl.constexpr):
+    """(batch * head index, block index) of this program. BLOCKS_FASTEST: a 1-D grid in which the programs running
+    at once take blocks of a few heads, so they stream those heads' tiles and find them in L2: the heads go in
+    groups of HEAD_GROUP (config.head_group; 0: all in one group), each group block-major (every head's block 0,
+    then every head's block 1, ...; with a group of 1, a head's blocks side by side). Otherwise batch * heads on
+    axis 0 (its limit is 2^31 - 1, axis 1's is 65535) and blocks on axis 1, so the programs running at once each
+    stream a different head."""
     if BLOCKS_FASTEST:
         pid = tl.program_id(0)
-        return pid // num_blocks, pid % num_blocks
+        num_heads = tl.num_programs(0) // num_blocks
+        if HEAD_GROUP == 0:
+            return pid % num_heads, pid // num_heads
+        group = pid // (HEAD_GROUP * num_blocks)
+        rest = pid % (HEAD_GROUP * num_blocks)
+        heads_here = tl.minimum(num_heads - group * HEAD_GROUP, HEAD_GROUP)
+        return group * HEAD_GROUP + rest % heads_here, rest // heads_here
     else:
         return tl.program_id(0), tl.program_id(1)
 
 
 @triton.jit
 def query_block_program(CU_SEQLENS_Q, CU_SEQLENS_K, nheads, group_size, max_seqlen_q, max_seqlen_k,
-                        BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCKS_FASTEST: tl.constexpr):
+                        BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCKS_FASTEST: tl.constexpr,
+                        HEAD_GROUP: tl.constexpr):
     """The work of a program in a query-block grid (the forward and dQ kernels), query blocks in reverse, so the
     heaviest causal blocks start first. Returns (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, m0);
     off_hk is the K/V head that query head off_h reads in place (GQA). A program with m0 >= seqlen_q has nothing
     to do (varlen: a sequence shorter than the grid)."""
     num_blocks = tl.cdiv(max_seqlen_q, BLOCK_M)
-    off_bh, block = head_and_block(num_blocks, BLOCKS_FASTEST)
+    off_bh, block = head_and_block(num_blocks, BLOCKS_FASTEST, HEAD_GROUP)
     pid_m = num_blocks - 1 - block
     off_b = (off_bh // nheads).to(tl.int64)
     off_h = (off_bh % nheads).to(tl.int64)

@@ -7,8 +7,11 @@ do not depend on the tiling.
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 from dataclasses import dataclass, replace
 
+import torch
 import triton
 
 
@@ -163,3 +166,30 @@ def override(**fields):
         yield
     finally:
         _OVERRIDE = previous
+
+
+# scripts/gluon_check.py sets this to time other grid orders (`head_group`)
+HEAD_GROUP_OVERRIDE: int | None = None
+
+
+def head_group(causal: bool, num_blocks: int, device: torch.device) -> int:
+    """HEAD_GROUP, the order of a 1-D grid of num_blocks blocks per head (hopper_common.grid_tile for the Gluon
+    kernels, common.head_and_block for the Triton ones with `blocks_fastest`). Without a mask every block costs the
+    same and a head's blocks side by side share its tiles in L2 (1). With a causal mask the blocks cost 1 to
+    num_blocks steps, and the grid should end on light blocks of many heads: groups of about one wave of programs
+    (SMs / num_blocks heads, a power of two) keep the L2 sharing and balance the last wave; short rows (at most 8
+    blocks, a grid of a few waves) take all heads in one group. Round 19 (NOTES.md v21, GPU kernel time, H200,
+    head-major -> this rule): d128 causal n4096 forward / dK/dV / dQ 0.566 / 1.004 / 0.614 -> 0.540 / 0.969 / 0.580
+    ms; GQA 16/4 n2048 0.334 / 0.652 / 0.358 -> 0.320 / 0.548 / 0.336; n16384 (one head per group) unchanged."""
+    if HEAD_GROUP_OVERRIDE is not None:
+        return HEAD_GROUP_OVERRIDE
+    if not causal or device.type != "cuda":  # the interpreter runs the programs one at a time
+        return 1
+    if num_blocks <= 8:
+        return 0
+    return 1 << max(0, round(math.log2(_sm_count(device) / num_blocks)))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

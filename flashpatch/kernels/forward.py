@@ -69,11 +69,11 @@ def attn_fwd_kernel(
     HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, BLOCKS_FASTEST: tl.constexpr, EVEN: tl.constexpr,
+    TMA: tl.constexpr, BLOCKS_FASTEST: tl.constexpr, HEAD_GROUP: tl.constexpr, EVEN: tl.constexpr,
 ):
     off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, m0 = query_block_program(
         CU_SEQLENS_Q, CU_SEQLENS_K, nheads, group_size, max_seqlen_q, max_seqlen_k, BLOCK_M, IS_VARLEN,
-        BLOCKS_FASTEST)
+        BLOCKS_FASTEST, HEAD_GROUP)
     if m0 >= seqlen_q:  # varlen: this sequence is shorter than the grid
         return
 

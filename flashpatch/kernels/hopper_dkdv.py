@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from flashpatch.kernels.config import head_group
 from flashpatch.kernels.hopper_common import AVAILABLE, descriptor, sm90_dense_ok, tma_load
 
 if AVAILABLE:
@@ -35,11 +36,12 @@ if AVAILABLE:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
+    from flashpatch.kernels.hopper_common import grid_tile
+
 BLOCK_M = {64: 64, 128: 64}  # queries per step, by head dim
 HALF_N = 64  # keys per consumer warpgroup
 BLOCK_N = 2 * HALF_N  # keys per program
 STAGES = 2  # Q/dO ring depth (3 within noise: scripts/gluon_check.py)
-HEADS_FASTEST = None  # grid order; None: `heads_fastest` decides
 MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
 
 
@@ -132,17 +134,11 @@ if AVAILABLE:
         stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lse_b, stride_lse_h,
         nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
-        STAGES: gl.constexpr, HEADS_FASTEST: gl.constexpr,
+        STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr,
     ):
         BLOCK_N: gl.constexpr = 2 * HALF_N
         num_n = gl.cdiv(seqlen_k, BLOCK_N)
-        pid = gl.program_id(0)
-        if HEADS_FASTEST:  # causal: every head's heaviest key blocks (those seeing the most queries) first
-            off_bhk = pid % (gl.num_programs(0) // num_n)
-            pid_n = pid // (gl.num_programs(0) // num_n)
-        else:  # unmasked: a head's key blocks side by side, so they share its Q and dO tiles in L2
-            off_bhk = pid // num_n
-            pid_n = pid % num_n
+        off_bhk, pid_n = grid_tile(num_n, HEAD_GROUP)  # causal: the first key blocks see the most queries
         off_b = off_bhk // nheads_k
         off_hk = off_bhk % nheads_k
         off_h0 = off_hk * group_size
@@ -199,14 +195,6 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
     return max_seqlen_q % BLOCK_M[q.shape[-1]] == 0 and max_seqlen_k % BLOCK_N == 0
 
 
-def heads_fastest(causal: bool, seqlen_k: int) -> bool:
-    """Grid order. A head's key blocks on consecutive programs share its Q and dO tiles in L2, which wins on long
-    rows (d128 n4096 causal, dK/dV: 1.14 -> 1.00 ms; unmasked 1.97 -> 1.78). With a causal mask on short rows the
-    grid is a couple of waves of very unequal programs, and starting every head's heaviest key block first balances
-    them (the 1B recipe's n1024: 0.23 -> 0.17 ms). scripts/gluon_check.py, H200."""
-    return causal and seqlen_k <= 1024
-
-
 def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_scale: float, causal: bool) -> None:
     """dK, dV (written into dk, dv) for a call `supported` accepted. q, dout: (B, Sq, H, D); k, v: (B, Sk, Hk, D);
     lse, delta: (B, H, Sq) fp32 (natural-log LSE); qk_scale = softmax_scale * log2(e)."""
@@ -225,6 +213,6 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
         lse.stride(0), lse.stride(1),
         nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale,
         CAUSAL=causal, HEADDIM=headdim, BLOCK_M=block_m, HALF_N=HALF_N, STAGES=STAGES,
-        HEADS_FASTEST=heads_fastest(causal, seqlen_k) if HEADS_FASTEST is None else HEADS_FASTEST,
+        HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_k, BLOCK_N), q.device),
         num_warps=4, maxnreg=MAXNREG,
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from flashpatch.kernels.config import head_group
 from flashpatch.kernels.hopper_common import AVAILABLE, descriptor, sm90_dense_ok, tma_load
 
 if AVAILABLE:
@@ -103,10 +104,10 @@ if AVAILABLE:
         stride_dqb, stride_dqs, stride_dqh, stride_lse_b, stride_lse_h,
         nheads, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr,
+        STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr,
     ):
         off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_program(
-            seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N)
+            seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_GROUP)
         q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
         do_smem = gl.allocate_shared_memory(do_desc.dtype, do_desc.block_type.shape, do_desc.layout)
         k_bufs, v_bufs, ready_k, ready_v, empty = allocate_kv_ring(k_desc, v_desc, STAGES)
@@ -158,5 +159,6 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
         dq.stride(0), dq.stride(1), dq.stride(2), lse.stride(0), lse.stride(1),
         nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale,
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
+        HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_q, BLOCK_M), q.device),
         num_warps=4, maxnreg=MAXNREG,
     )

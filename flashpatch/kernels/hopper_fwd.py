@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from flashpatch.kernels.config import head_group
 from flashpatch.kernels.hopper_common import AVAILABLE, descriptor, sm90_dense_ok, tma_load
 
 if AVAILABLE:
@@ -27,6 +28,8 @@ if AVAILABLE:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+
+    from flashpatch.kernels.hopper_common import grid_tile
 
 HALF_M = 64  # queries per consumer warpgroup
 BLOCK_M = 2 * HALF_M  # queries per program
@@ -39,15 +42,13 @@ if AVAILABLE:
 
     @gluon.jit
     def query_block_program(seqlen_q, seqlen_k, nheads, group_size, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                            BLOCK_N: gl.constexpr):
+                            BLOCK_N: gl.constexpr, HEAD_GROUP: gl.constexpr):
         """This program's query block (also hopper_dq.py's): (batch, head, K/V head, first query row, Sk - Sq,
         key blocks below the diagonal, key blocks to visit)."""
         num_m = gl.cdiv(seqlen_q, BLOCK_M)
-        pid = gl.program_id(0)
-        off_bh = pid // num_m  # a head's query blocks side by side: they share its K and V in L2
-        pid_m = pid % num_m
+        off_bh, pid_m = grid_tile(num_m, HEAD_GROUP)
         if CAUSAL:
-            pid_m = num_m - 1 - pid_m  # the heaviest query blocks first
+            pid_m = num_m - 1 - pid_m  # the heaviest query blocks (the last ones) first
         off_b = off_bh // nheads
         off_h = off_bh % nheads
         off_hk = off_h // group_size
@@ -172,10 +173,10 @@ if AVAILABLE:
         stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
         nheads, group_size, seqlen_q, seqlen_k, qk_scale,
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr,
+        STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr,
     ):
         off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_program(
-            seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N)
+            seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_GROUP)
         q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
         k_bufs, v_bufs, ready_k, ready_v, empty = allocate_kv_ring(k_desc, v_desc, STAGES)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -220,5 +221,6 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool) -> None:
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale,
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
+        HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_q, BLOCK_M), q.device),
         num_warps=4, maxnreg=MAXNREG,
     )
