@@ -32,20 +32,22 @@ def implementations(model) -> list:
 
 
 def tiny_multimodal(attn):
-    """Gemma 3 with a SigLIP vision tower: a config with two sub-configs, each with its own implementation."""
-    text = tf.Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4)
+    """Llava, a Llama text model with a SigLIP vision tower: a config with two sub-configs, each with its own
+    implementation. (Gemma 3's multimodal model, used before, declares no flash-attention support since
+    transformers 5.2x, so patch_model refuses it.)"""
+    text = tf.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                    image_size=16, patch_size=8)
-    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
-                             boi_token_index=297, eoi_token_index=298)
-    return tf.Gemma3ForConditionalGeneration._from_config(config, attn_implementation=attn)
+    config = tf.LlavaConfig(text_config=text, vision_config=vision, image_token_index=299)
+    return tf.LlavaForConditionalGeneration._from_config(config, attn_implementation=attn)
 
 
 def test_patch_records_and_restores_every_sub_config():
-    model = tiny_multimodal({"": "sdpa", "text_config": "eager", "vision_config": "sdpa"})
+    chosen = {"": "sdpa", "text_config": "eager", "vision_config": "sdpa"}
+    model = tiny_multimodal(chosen)
     before = implementations(model)
-    assert before == ["sdpa", "eager", "sdpa"]
+    assert dict(zip(["", *model.config.sub_configs], before)) == chosen
     assert flashpatch.patch_model(model) is model
     assert implementations(model) == [NAME] * 3
     assert {m.config._attn_implementation for m in model.modules() if isinstance(m, tf.PreTrainedModel)} == {NAME}
