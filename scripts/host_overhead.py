@@ -6,6 +6,7 @@ each piece, measured with perf_counter over many calls while the GPU has work qu
 
 import argparse
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,7 +16,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flashpatch  # noqa: E402
-from flashpatch import ops  # noqa: E402
+from flashpatch import ops, validation  # noqa: E402
+from flashpatch.autograd import FlashAttnFunction  # noqa: E402
 from flashpatch.kernels import hopper_common, hopper_dkdv, hopper_dq, hopper_fwd  # noqa: E402
 from gluon_check import SHAPES  # noqa: E402
 
@@ -29,6 +31,77 @@ def per_call_us(fn, iters=200):
     host = time.perf_counter() - start
     torch.cuda.synchronize()
     return host / iters * 1e6
+
+
+def in_thread(fn, iters=20):
+    """fn run `iters` times in one new thread; per_call_us divides by its own count, so this reports the cost of
+    one call plus 1/iters of a thread start."""
+    worker = threading.Thread(target=lambda: [fn() for _ in range(iters)])
+    worker.start()
+    worker.join()
+
+
+class Timed:
+    """Wraps module attributes with host-time accumulators: the pieces of a call where autograd runs it."""
+
+    def __init__(self):
+        self.totals, self.calls = {}, {}
+
+    def wrap(self, module, name, label=None):
+        label = label or f"{module.__name__.split('.')[-1]}.{name}"
+        inner = getattr(module, name)
+        if hasattr(inner, "run") and hasattr(inner, "__getitem__"):  # a @triton.jit kernel: time kernel[grid](...)
+            timed = self
+
+            class Launcher:
+                def __getitem__(self, grid):
+                    launch = inner[grid]
+
+                    def run(*a, **kw):
+                        return timed.time(label, launch, *a, **kw)
+                    return run
+            setattr(module, name, Launcher())
+        else:
+            setattr(module, name, lambda *a, **kw: self.time(label, inner, *a, **kw))
+        return inner
+
+    def time(self, label, fn, *a, **kw):
+        start = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            self.totals[label] = self.totals.get(label, 0.0) + time.perf_counter() - start
+            self.calls[label] = self.calls.get(label, 0) + 1
+
+
+def inside_autograd(q, k, v, dout, causal, iters=200):
+    """Host time of each piece of the backward as the autograd engine runs it (its own thread)."""
+    from flashpatch import autograd as fp_autograd
+    from flashpatch.kernels import config as kc
+
+    timed = Timed()
+    originals = [(ops, "attn_bwd_preprocess_kernel"), (ops, "_launch_configs"), (ops, "tma_usable"),
+                 (hopper_dkdv, "attn_bwd_dkdv"), (hopper_dq, "attn_bwd_dq"), (hopper_dkdv, "supported"),
+                 (hopper_dq, "supported"), (kc, "head_group"), (ops, "attn_bwd_dkdv_kernel"),
+                 (ops, "attn_bwd_dq_kernel"), (hopper_dkdv, "attn_bwd_dkdv_hopper_kernel"),
+                 (hopper_dq, "attn_bwd_dq_hopper_kernel"), (hopper_dkdv, "descriptor"), (hopper_dq, "descriptor")]
+    saved = [(m, n, timed.wrap(m, n)) for m, n in originals]
+    backward = fp_autograd.FlashAttnFunction.backward
+    fp_autograd.FlashAttnFunction.backward = staticmethod(
+        lambda ctx, *g: timed.time("FlashAttnFunction.backward (all of it)", backward, ctx, *g))
+    try:
+        for _ in range(iters):
+            out = flashpatch.flash_attn_func(q, k, v, causal=causal)
+            timed.time("out.backward (caller's view)", out.backward, dout)
+        if q.is_cuda:
+            torch.cuda.synchronize()
+    finally:
+        for m, n, inner in saved:
+            setattr(m, n, inner)
+        fp_autograd.FlashAttnFunction.backward = staticmethod(backward)
+    print("\n| inside autograd's backward: piece | host us per call | calls per step |\n|---|---|---|")
+    for label, total in sorted(timed.totals.items(), key=lambda kv: -kv[1]):
+        print(f"| {label} | {total / timed.calls[label] * 1e6:.1f} | {timed.calls[label] / iters:g} |")
 
 
 def main():
@@ -49,7 +122,17 @@ def main():
                 False)
     delta = torch.empty_like(lse_)
     dq, dk, dv = (torch.empty_like(t) for t in (qd, kd, vd))
+    out_g = flashpatch.flash_attn_func(q, k, v, causal=causal)
+    args_ = validation.check_attention_args(qd, kd, vd, 0.0, None, causal, (-1, -1), 0.0, varlen=False)
     rows = [
+        ("validation.check_attention_args", lambda: validation.check_attention_args(
+            qd, kd, vd, 0.0, None, causal, (-1, -1), 0.0, varlen=False)),
+        ("FlashAttnFunction.apply, no grad", lambda: FlashAttnFunction.apply(qd, kd, vd, None, None, sq, sk, args_,
+                                                                            False)),
+        ("flash_attn_func forward, inputs need grad", lambda: flashpatch.flash_attn_func(q, k, v, causal=causal)),
+        ("backward alone (retain_graph)", lambda: out_g.backward(dout, retain_graph=True)),
+        ("torch.autograd.grad alone (retain_graph)", lambda: torch.autograd.grad(out_g, (q, k, v), dout,
+                                                                                  retain_graph=True)),
         ("flash_attn_func forward, no grad", lambda: flashpatch.flash_attn_func(qd, kd, vd, causal=causal)),
         ("flash_attn_func forward + backward", lambda: flashpatch.flash_attn_func(q, k, v, causal=causal)
          .backward(dout)),
@@ -63,6 +146,9 @@ def main():
             qd, kd, vd, None, None, sq, sk, None, 0.0, d ** -0.5, -1, 0 if causal else -1, 0.0)),
         ("ops.attn_bwd (the custom op)", lambda: ops.attn_bwd(*bwd_args)),
         ("ops.attn_bwd's own function", lambda: ops.attn_bwd._init_fn(*bwd_args)),
+        ("ops.attn_bwd in a fresh thread (as autograd's engine runs it)", lambda: in_thread(
+            lambda: ops.attn_bwd(*bwd_args))),
+        ("an empty fresh thread", lambda: in_thread(lambda: None)),
         ("hopper_dkdv.attn_bwd_dkdv", lambda: hopper_dkdv.attn_bwd_dkdv(qd, kd, vd, dout, lse_, delta, dk, dv, 0.1,
                                                                          0.1, causal)),
         ("hopper_dq.attn_bwd_dq", lambda: hopper_dq.attn_bwd_dq(qd, kd, vd, dout, lse_, delta, dq, 0.1, 0.1,
@@ -74,7 +160,9 @@ def main():
     ]
     print(f"| {args.shape}: piece | host us per call |\n|---|---|")
     for name, fn in rows:
-        print(f"| {name} | {per_call_us(fn):.1f} |", flush=True)
+        per_call = per_call_us(fn, iters=10) / 20 if "thread" in name else per_call_us(fn)
+        print(f"| {name} | {per_call:.1f} |", flush=True)
+    inside_autograd(q, k, v, dout, causal)
 
 
 if __name__ == "__main__":
