@@ -17,7 +17,7 @@ import torch
 import triton
 
 from flashpatch.kernels import config as kernel_config
-from flashpatch.kernels import hopper_dkdv, hopper_dq, hopper_fwd
+from flashpatch.kernels import hopper_common, hopper_dkdv, hopper_dq, hopper_fwd
 from flashpatch.kernels.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from flashpatch.kernels.dropout_mask import dropout_mask_kernel
 from flashpatch.kernels.forward import attn_fwd_kernel
@@ -75,7 +75,7 @@ def _common_flags(varlen, window_left, window_right, softcap, dropout_p, dtype):
 
 
 def _tma_supported(device: torch.device) -> bool:
-    return (not _INTERPRETED and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return (not _INTERPRETED and device.type == "cuda" and hopper_common.capability(device)[0] >= 9
             and hasattr(triton.language, "make_tensor_descriptor"))
 
 
@@ -265,10 +265,6 @@ def attn_bwd(
     atomic_dq = cfgs.atomic_dq and not deterministic
     # fp32 accumulator for atomic dQ; otherwise dQ gets its own pass and the pointer is unused.
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else dq
-    tma_dkdv = cfgs.bwd_dkdv.tma and tma_usable(headdim, q, k, v, dout, dq_accum, dk, dv)
-    tma_dq = cfgs.bwd_dq.tma and not atomic_dq and tma_usable(headdim, k, v)
-    if tma_dkdv or tma_dq:
-        _ensure_allocator()
     # The Gluon Hopper kernels take the calls in their scope (hopper_common.sm90_dense_ok), the Triton ones the rest
     gluon_scope = dict(varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
                        window_right=window_right, softcap=softcap, dropout_p=dropout_p)
@@ -277,6 +273,9 @@ def attn_bwd(
         hopper_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal)
     else:
         c = cfgs.bwd_dkdv
+        tma_dkdv = c.tma and tma_usable(headdim, q, k, v, dout, dq_accum, dk, dv)
+        if tma_dkdv:
+            _ensure_allocator()
         attn_bwd_dkdv_kernel[_grid(batch * nheads_k, triton.cdiv(max_seqlen_k, c.block_n), c.blocks_fastest)](
             q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k,
             *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
@@ -296,6 +295,9 @@ def attn_bwd(
         hopper_dq.attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale, softmax_scale, causal)
     else:
         c = cfgs.bwd_dq
+        tma_dq = c.tma and tma_usable(headdim, k, v)  # not atomic_dq: that branch is taken above
+        if tma_dq:
+            _ensure_allocator()
         attn_bwd_dq_kernel[_grid(batch * nheads, triton.cdiv(max_seqlen_q, c.block_m), c.blocks_fastest)](
             q, k, v, dout, lse, delta, dq, seed_offset, cu_seqlens_q, cu_seqlens_k,
             *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),

@@ -49,6 +49,14 @@ SHORT = 1024  # query lengths up to this count as short (configs_for's `short`)
 
 def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool = False,
                 aligned: bool = False, short: bool = False, grouped: bool = False) -> KernelConfigs:
+    """`measured_configs` (cached: it runs twice per call), with `override`'s fields on top."""
+    cfg = measured_configs(headdim, is_cuda, masked, dropout, aligned, short, grouped)
+    return replace(cfg, **_OVERRIDE) if _OVERRIDE else cfg
+
+
+@functools.lru_cache(maxsize=None)
+def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool = False,
+                     aligned: bool = False, short: bool = False, grouped: bool = False) -> KernelConfigs:
     """Launch settings measured by scripts/tune_kernels.py on an H200 (bf16, B*N = 16k, H*D = 2048; NOTES.md and
     docs/results/h200/tune_round*.json). `masked`: causal or windowed, where the forward prefers narrower key tiles
     (less work wasted on the diagonal) and the d64 dK/dV kernel a deeper pipeline. `dropout`: the unmasked d128
@@ -153,7 +161,7 @@ def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool
             bwd_dq=LaunchConfig(64, 16, num_warps=4, num_stages=1, blocks_fastest=bwd_blocks_fastest),
             atomic_dq=False,
         )
-    return replace(cfg, **_OVERRIDE) if _OVERRIDE else cfg
+    return cfg
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@ calls they may take, and the 2-D TMA views of (B, S, H, D) tensors they load fro
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -43,6 +44,12 @@ if AVAILABLE:
         return group * HEAD_GROUP + rest % heads_here, rest // heads_here
 
 
+@functools.lru_cache(maxsize=None)
+def capability(device: torch.device) -> tuple[int, int]:
+    """torch.cuda.get_device_capability, once per device (it is asked several times per call)."""
+    return torch.cuda.get_device_capability(device)
+
+
 def enabled() -> bool:
     """Whether the Gluon kernels may run at all (read at each call, so FLASHPATCH_GLUON=0 works at any time)."""
     return AVAILABLE and triton.__version__.startswith(GLUON_TRITON) and os.environ.get("FLASHPATCH_GLUON") != "0"
@@ -71,7 +78,7 @@ def sm90_dense_ok(*tensors: torch.Tensor, varlen: bool, window_left: int, window
     `rows_view` maps, bf16 or fp16, head dim 64 or 128, causal or unmasked, no softcap or dropout, 32-bit element
     offsets. Each kernel adds its tile divisibility."""
     q = tensors[0]
-    if not (enabled() and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
+    if not (enabled() and q.is_cuda and capability(q.device) == (9, 0)):
         return False
     if varlen or softcap > 0 or dropout_p > 0 or window_left >= 0 or window_right not in (-1, 0):
         return False
@@ -83,6 +90,11 @@ def sm90_dense_ok(*tensors: torch.Tensor, varlen: bool, window_left: int, window
 def descriptor(t: torch.Tensor, block_rows: int):
     """(TensorDescriptor of (block_rows, D) tiles, rows per (batch, head), columns per head) for `rows_view`'s view."""
     shape, strides, rows, cols = rows_view(t)
-    dtype = gl.float16 if t.dtype == torch.float16 else gl.bfloat16
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, t.shape[-1]], dtype)
+    layout = _shared_layout(block_rows, t.shape[-1], t.dtype == torch.float16)
     return TensorDescriptor(t, shape, strides, [block_rows, t.shape[-1]], layout), rows, cols
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block_rows: int, headdim: int, fp16: bool):
+    """The tile's shared-memory layout, built once per tile shape (descriptors are built at every launch)."""
+    return gl.NVMMASharedLayout.get_default_for([block_rows, headdim], gl.float16 if fp16 else gl.bfloat16)
