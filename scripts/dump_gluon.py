@@ -31,7 +31,7 @@ def main():
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--stages", type=int, default=0, help="0: the module's STAGES")
     parser.add_argument("--block-m", type=int, default=0)
-    parser.add_argument("--head-group", type=int, default=1, help="grid order (hopper_common.grid_tile)")
+    parser.add_argument("--head-group", type=int, default=1, help="grid order (config.head_group)")
     parser.add_argument("--out", default="runs/ir")
     args = parser.parse_args()
     d = args.headdim

@@ -181,8 +181,8 @@ HEAD_GROUP_OVERRIDE: int | None = None
 
 
 def head_group(causal: bool, num_blocks: int, device: torch.device) -> int:
-    """HEAD_GROUP, the order of a 1-D grid of num_blocks blocks per head (hopper_common.grid_tile for the Gluon
-    kernels, common.head_and_block for the Triton ones with `blocks_fastest`). Without a mask every block costs the
+    """HEAD_GROUP, the order of a 1-D grid of num_blocks blocks per head (common.head_and_block: the Triton kernels
+    with `blocks_fastest` and the Gluon kernels). Without a mask every block costs the
     same and a head's blocks side by side share its tiles in L2 (1). With a causal mask the blocks cost 1 to
     num_blocks steps, and the grid should end on light blocks of many heads: groups of about one wave of programs
     (SMs / num_blocks heads, a power of two) keep the L2 sharing and balance the last wave; short rows (at most 8

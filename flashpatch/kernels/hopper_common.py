@@ -10,7 +10,6 @@ import torch
 import triton
 
 try:  # Gluon is experimental: its module layout has changed between Triton releases
-    from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -23,25 +22,6 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 # Gluon's API changes between Triton releases; the kernels were written and checked against this one (the GPU
 # stack's). Other releases, or FLASHPATCH_GLUON=0 in the environment, keep the Triton kernels.
 GLUON_TRITON = "3.6."
-
-
-if AVAILABLE:
-
-    @gluon.jit
-    def grid_tile(num_blocks, HEAD_GROUP: gl.constexpr):
-        """This program's (batch * heads index, block rank) in a 1-D grid of num_blocks blocks per head; rank 0 is a
-        head's heaviest block under a causal mask. The heads go in groups of HEAD_GROUP (0: all in one group), and
-        within a group rank-major: every head's rank-0 block, then every head's rank-1 block, and so on. A group
-        of 1 is head-major (a head's blocks side by side); larger groups end the grid on light blocks of several
-        heads instead of one head's, which balances the last wave."""
-        pid = gl.program_id(0)
-        num_heads = gl.num_programs(0) // num_blocks
-        if HEAD_GROUP == 0:
-            return pid % num_heads, pid // num_heads
-        group = pid // (HEAD_GROUP * num_blocks)
-        rest = pid % (HEAD_GROUP * num_blocks)
-        heads_here = gl.minimum(num_heads - group * HEAD_GROUP, HEAD_GROUP)
-        return group * HEAD_GROUP + rest % heads_here, rest // heads_here
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from flashpatch.kernels.common import head_and_block
 from flashpatch.kernels.config import head_group
 from flashpatch.kernels.hopper_common import AVAILABLE, descriptor, sm90_dense_ok, tma_load
 
@@ -35,8 +36,6 @@ if AVAILABLE:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
-
-    from flashpatch.kernels.hopper_common import grid_tile
 
 BLOCK_M = {64: 64, 128: 64}  # queries per step, by head dim
 HALF_N = 64  # keys per consumer warpgroup
@@ -138,7 +137,8 @@ if AVAILABLE:
     ):
         BLOCK_N: gl.constexpr = 2 * HALF_N
         num_n = gl.cdiv(seqlen_k, BLOCK_N)
-        off_bhk, pid_n = grid_tile(num_n, HEAD_GROUP)  # causal: the first key blocks see the most queries
+        # Triton's 1-D grid order (common.py); causal: the first key blocks see the most queries
+        off_bhk, pid_n = head_and_block(num_n, True, HEAD_GROUP)
         off_b = off_bhk // nheads_k
         off_hk = off_bhk % nheads_k
         off_h0 = off_hk * group_size

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from flashpatch.kernels.common import head_and_block
 from flashpatch.kernels.config import head_group
 from flashpatch.kernels.hopper_common import AVAILABLE, descriptor, sm90_dense_ok, tma_load
 
@@ -28,8 +29,6 @@ if AVAILABLE:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
-
-    from flashpatch.kernels.hopper_common import grid_tile
 
 HALF_M = 64  # queries per consumer warpgroup
 BLOCK_M = 2 * HALF_M  # queries per program
@@ -46,7 +45,7 @@ if AVAILABLE:
         """This program's query block (also hopper_dq.py's): (batch, head, K/V head, first query row, Sk - Sq,
         key blocks below the diagonal, key blocks to visit)."""
         num_m = gl.cdiv(seqlen_q, BLOCK_M)
-        off_bh, pid_m = grid_tile(num_m, HEAD_GROUP)
+        off_bh, pid_m = head_and_block(num_m, True, HEAD_GROUP)  # Triton's 1-D grid order (common.py)
         if CAUSAL:
             pid_m = num_m - 1 - pid_m  # the heaviest query blocks (the last ones) first
         off_b = off_bh // nheads
