@@ -86,7 +86,7 @@ GLUON_CASES = [
     (2, 512, 512, 4, 4, 128, False, "bhsd"),  # (B, H, S, D) in memory, as transformers' projections give
     (1, 1024, 2048, 2, 1, 64, False, "bshd"),  # head dim 64 (config.py: the forward only, without a mask)
     (1, 2048, 2048, 4, 2, 64, True, "bshd"),  # head dim 64 causal (config.py: dK/dV past 1024 queries)
-    # causal grids in head groups (hopper_common.head_group): 3 heads in a group of 8, and 10 in groups of 4
+    # causal grids in head groups (config.head_group): 3 heads in a group of 8, and 10 in groups of 4
     (1, 2048, 2048, 3, 3, 128, True, "bshd"),
     (2, 4096, 4096, 5, 5, 128, True, "bshd"),
 ]

@@ -1,5 +1,6 @@
 """The launch variants the GPU configs choose between compute the same function: the grid orders
-(LaunchConfig.blocks_fastest, config.head_group) and tensor-descriptor (TMA) tiles, checked against the float64 reference.
+(LaunchConfig.blocks_fastest, config.head_group) and tensor-descriptor (TMA) tiles, checked against the float64
+reference.
 
 The interpreter runs tensor descriptors (loads and stores, not the bulk reduce-add of atomic dQ), so the TMA
 paths are forced on here by declaring the device capable; tests/test_gpu.py checks them on the GPU, atomic dQ
@@ -257,6 +258,9 @@ def test_causal_grids_end_on_many_heads_light_blocks(monkeypatch):
     assert kernel_config.head_group(True, 32, torch.device("cpu")) == 1  # the interpreter: order is moot
     monkeypatch.setattr(kernel_config, "HEAD_GROUP_OVERRIDE", 3)
     assert kernel_config.head_group(False, 32, gpu) == 3
+    monkeypatch.setattr(kernel_config, "HEAD_GROUP_OVERRIDE", -2)
+    with pytest.raises(ValueError, match="-2"):
+        kernel_config.head_group(True, 32, gpu)
 
 
 def test_gluon_switch_and_triton_release_gate(monkeypatch):

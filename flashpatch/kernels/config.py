@@ -190,6 +190,8 @@ def head_group(causal: bool, num_blocks: int, device: torch.device) -> int:
     head-major -> this rule): d128 causal n4096 forward / dK/dV / dQ 0.566 / 1.004 / 0.614 -> 0.540 / 0.969 / 0.580
     ms; GQA 16/4 n2048 0.334 / 0.652 / 0.358 -> 0.320 / 0.548 / 0.336; n16384 (one head per group) unchanged."""
     if HEAD_GROUP_OVERRIDE is not None:
+        if HEAD_GROUP_OVERRIDE < 0:
+            raise ValueError(f"HEAD_GROUP_OVERRIDE must be >= 0 (0: all heads in one group), got {HEAD_GROUP_OVERRIDE}")
         return HEAD_GROUP_OVERRIDE
     if not causal or device.type != "cuda":  # the interpreter runs the programs one at a time
         return 1
