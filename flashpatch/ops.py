@@ -292,7 +292,8 @@ def attn_bwd(
     if atomic_dq:
         dq.copy_(dq_accum)
     elif cfgs.gluon_dq and hopper_dq.supported(q, k, v, dout, **gluon_scope):
-        hopper_dq.attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale, softmax_scale, causal)
+        hopper_dq.attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale, softmax_scale, causal, seed_offset=seed_offset,
+                              dropout_p=dropout_p)
     else:
         c = cfgs.bwd_dq
         tma_dq = c.tma and tma_usable(headdim, k, v)  # not atomic_dq: that branch is taken above

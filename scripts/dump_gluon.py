@@ -1,7 +1,7 @@
 """Compile a Gluon Hopper kernel (flashpatch/kernels/hopper_fwd.py, hopper_dkdv.py) for sm_90 without a GPU and
 report shared memory, registers and spills, and the barriers in its PTX.
 
-    PYTHONPATH=/tmp/t36 python scripts/dump_gluon.py {dkdv,fwd} [--headdim 128] [--causal] [--stages 2]
+    PYTHONPATH=/tmp/t36 python scripts/dump_gluon.py {dkdv,dq,fwd} [--headdim 128] [--causal] [--stages 2] [--dropout (dq)]
 """
 
 import argparse
@@ -32,6 +32,7 @@ def main():
     parser.add_argument("--stages", type=int, default=0, help="0: the module's STAGES")
     parser.add_argument("--block-m", type=int, default=0)
     parser.add_argument("--head-group", type=int, default=1, help="grid order (config.head_group)")
+    parser.add_argument("--dropout", action="store_true", help="dQ with dropout")
     parser.add_argument("--out", default="runs/ir")
     args = parser.parse_args()
     d = args.headdim
@@ -51,7 +52,7 @@ def main():
         bn = args.block_n or hq.BLOCK_N
         descs = {"q_desc": desc(hq.BLOCK_M), "do_desc": desc(hq.BLOCK_M), "k_desc": desc(bn), "v_desc": desc(bn)}
         consts = dict(CAUSAL=args.causal, HEADDIM=d, HALF_M=hq.HALF_M, BLOCK_N=bn, STAGES=args.stages or hq.STAGES,
-                      HEAD_GROUP=args.head_group)
+                      HEAD_GROUP=args.head_group, DROPOUT=args.dropout)
     else:
         fn, maxnreg = hf.attn_fwd_hopper_kernel, hf.MAXNREG
         descs = {"q_desc": desc(hf.BLOCK_M), "k_desc": desc(hf.BLOCK_N), "v_desc": desc(hf.BLOCK_N)}
@@ -69,8 +70,10 @@ def main():
             sig[name] = "*bf16"
         elif name.endswith("_rows"):
             sig[name] = ("i32", "i32")
-        elif name in ("qk_scale", "softmax_scale"):
+        elif name in ("qk_scale", "softmax_scale", "dropout_p"):
             sig[name] = "fp32"
+        elif name == "SEED_OFFSET":
+            sig[name] = "*i64"
         else:
             sig[name] = "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
@@ -80,7 +83,7 @@ def main():
                             options={"num_warps": 4, "maxnreg": maxnreg})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{args.kernel}_gluon_d{d}{'_causal' if args.causal else ''}"
+    stem = out / f"{args.kernel}_gluon_d{d}{'_causal' if args.causal else ''}{'_dropout' if args.dropout else ''}"
     ptx = kernel.asm["ptx"]
     stem.with_suffix(".ttgir").write_text(kernel.asm["ttgir"])
     stem.with_suffix(".ptx").write_text(ptx)

@@ -3,6 +3,7 @@ short enough that do_bench's timing includes host launch overhead (the 1B recipe
 Dense causal rows, bf16; each variant overrides fields of the launch settings config.py picks for the shape.
 
     python scripts/kernel_time_variants.py [--seqlen 1024 --batch 8 --heads 16 --kv-heads 4 --headdim 128] [--match fwd]
+                                           [--dropout 0.1]
 """
 
 import argparse
@@ -50,6 +51,9 @@ VARIANTS = [
                                                              num_stages=2))),
     ("dq 128x64 w16 s3", lambda c: dict(bwd_dq=replace(c.bwd_dq, num_warps=16))),
     ("dq 64x64 w4 s3 TMA", lambda c: dict(bwd_dq=L(64, 64, 4, 3, c.bwd_dq.blocks_fastest, True))),
+    # round 20 (--dropout): the Gluon dQ pass with dropout (hopper_dq.dropout_keep_acc)
+    ("Gluon dq with dropout", lambda c: dict(gluon_dq=True, atomic_dq=False)),
+    ("Triton dq", lambda c: dict(gluon_dq=False, atomic_dq=False)),
     ("current, again", lambda c: {}),
 ]
 
@@ -61,6 +65,7 @@ def main():
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--headdim", type=int, default=128)
+    parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--match", default="", help="regular expression: only the variants whose name it finds "
                         "(and 'current')")
     args = parser.parse_args()
@@ -71,11 +76,13 @@ def main():
     fwd_flops = 4 * b * h * n * n * d / 2  # causal
 
     def step():
-        out = flashpatch.flash_attn_func(q, k, v, causal=True)
+        out = flashpatch.flash_attn_func(q, k, v, causal=True, dropout_p=args.dropout)
         torch.autograd.grad(out, (q, k, v), dout)
 
-    base = kc.configs_for(d, True, masked=True, aligned=True, short=n <= kc.SHORT)
-    print(f"d{d} N={n} B={b} H={h}:{hk} causal, GPU kernel ms per fwd+bwd (torch profiler, 20 steps)")
+    base = kc.configs_for(d, True, masked=True, dropout=args.dropout > 0, aligned=True, short=n <= kc.SHORT,
+                          grouped=h != hk)
+    print(f"d{d} N={n} B={b} H={h}:{hk} causal, dropout {args.dropout}, GPU kernel ms per fwd+bwd (torch profiler, "
+          "20 steps; Triton and Gluon kernels of each kind together)")
     print("| variant | fwd | dK/dV | dQ | fwd+bwd | TFLOP/s |\n|---|---|---|---|---|---|")
     for name, make_fields in VARIANTS:
         if not re.search(args.match, name) and not name.startswith("current"):
@@ -86,9 +93,8 @@ def main():
         except Exception as err:  # noqa: BLE001 - a variant that does not build or fit is a result
             print(f"| {name} | failed: {type(err).__name__}: {str(err)[:120]} |||||", flush=True)
             continue
-        fwd = times.get("attn_fwd_kernel", float("nan"))
-        dkdv = times.get("attn_bwd_dkdv_kernel", float("nan"))
-        dq = times.get("attn_bwd_dq_kernel", float("nan"))
+        fwd, dkdv, dq = (sum(t for key, t in times.items() if key.startswith(kind)) or float("nan")
+                         for kind in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"))
         total = sum(t for key, t in times.items() if key.startswith("attn_"))
         print(f"| {name} | {fwd:.3f} | {dkdv:.3f} | {dq:.3f} | {total:.3f} | {3.5 * fwd_flops / total * 1e-9:.0f} |",
               flush=True)

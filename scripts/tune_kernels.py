@@ -93,6 +93,9 @@ DROPOUT_FWD = [
 ]
 DROPOUT_BWD = [
     ("current", lambda c: {}),
+    # round 20: the Gluon dQ pass draws dropout too
+    ("separate Gluon dQ", lambda c: dict(atomic_dq=False, gluon_dq=True)),
+    ("separate Triton dQ", lambda c: dict(atomic_dq=False, gluon_dq=False)),
     ("atomic dQ", lambda c: dict(atomic_dq=True)),
     ("separate dQ", lambda c: dict(atomic_dq=False)),
     ("atomic dQ, TMA", lambda c: dict(atomic_dq=True, bwd_dkdv=replace(c.bwd_dkdv, tma=True))),

@@ -122,6 +122,35 @@ def test_gluon_kernels_match_float64(case, dtype, monkeypatch):
     check_against_reference(out, grads, q, k, v, dout, causal=causal)
 
 
+@pytest.mark.skipif(not (hopper_common.enabled() and torch.cuda.is_available()
+                         and torch.cuda.get_device_capability() == (9, 0)),
+                    reason="the Gluon kernels are for sm_90 with the Triton release they were checked on")
+@pytest.mark.parametrize("case", [
+    (2, 1024, 1024, 8, 2, 128, True, 0.1),
+    (1, 640, 1152, 4, 4, 128, True, 0.2),  # Sq < Sk, bottom-right causal
+    (2, 512, 1024, 4, 1, 128, False, 0.1),
+    (1, 1024, 2048, 2, 1, 64, False, 0.3),  # head dim 64
+], ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-d{c[5]}-{'causal' if c[6] else 'full'}-p{c[7]}")
+def test_gluon_dq_dropout_matches_float64_bf16(case, monkeypatch):
+    # The Gluon dQ draws common.dropout_keep's bits in the wgmma accumulator layout (hopper_dq.dropout_keep_acc):
+    # the pattern that the separate dropout_mask kernel writes must be the one it applied. The forward and dK/dV
+    # with dropout are the Triton kernels'.
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, p = case
+    calls = []
+    for module, name in ((hopper_fwd, "attn_fwd"), (hopper_dq, "attn_bwd_dq")):
+        launch = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _launch=launch, _name=name, **kw: calls.append(
+            (_name, kw.get("dropout_p"))) or _launch(*a, **kw))
+    torch.manual_seed(0)
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, torch.bfloat16, device="cuda")
+    with kernel_config.override(gluon_fwd=True, gluon_dq=True, atomic_dq=False):
+        out, _, pattern = flashpatch.flash_attn_func(q, k, v, dropout_p=p, causal=causal, return_attn_probs=True)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert calls == [("attn_bwd_dq", p)]
+    check_against_reference(out, grads, q, k, v, dout, dropout_p=p, causal=causal, dropout_keep=pattern > 0)
+
+
 def test_misaligned_layout_falls_back_to_pointer_tiles_bf16():
     # q, k, v viewed 2 bytes into a buffer: no 16-byte aligned base, so no descriptors; same results
     shape = (2, 1000, 4, 128)

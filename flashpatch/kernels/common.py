@@ -166,18 +166,18 @@ def dropout_head_rows(off_b, nheads, off_h, max_seqlen_q):
 
 
 @triton.jit
-def _dropout_threshold(dropout_p):
+def dropout_threshold(dropout_p):
     # Decisions are 16-bit: keep when the value is >= round(p * 2^16), so p takes effect in steps of 2^-16.
     return tl.floor(dropout_p * 65536.0 + 0.5).to(tl.uint32)
 
 
 @triton.jit
-def _philox4x32_10(seed, counter):
+def philox4x32_10(seed, counter):
     """The four 32-bit output words of Philox4x32-10 keyed by the 64-bit seed at the 64-bit counter (words c0, c1;
     c2 = c3 = 0)."""
     c0 = (counter & 0xFFFFFFFF).to(tl.uint32)
     c1 = (counter >> 32).to(tl.uint32)
-    zero = tl.zeros_like(c0)
+    zero = c0 & 0  # not tl.zeros_like, which Gluon (hopper_dq.py calls this too) cannot give a layout
     return tl.philox(seed, c0, c1, zero, zero)
 
 
@@ -211,8 +211,8 @@ def dropout_keep(seed, offset, rows0, n0, max_seqlen_k, dropout_p, BLOCK_M: tl.c
     rows = (rows0 + tl.arange(0, BLOCK_M // 16)[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.int64)  # (BM/16, 8)
     cols = n0 // 4 + tl.arange(0, BLOCK_N // 16)[:, None] * 4 + tl.arange(0, 4)[None, :]  # (BN/16, 4)
     counter = offset + rows[:, :, None, None] * groups_per_row + cols[None, None, :, :]  # (BM/16, 8, BN/16, 4)
-    r0, r1, r2, r3 = _philox4x32_10(seed, counter)
-    threshold = _dropout_threshold(dropout_p)
+    r0, r1, r2, r3 = philox4x32_10(seed, counter)
+    threshold = dropout_threshold(dropout_p)
     # word r[2 * i3 + j3]; joined dims after the three joins: (i >> 4, i & 7, j >> 4, (j >> 1) & 3, j0, j3, i3)
     keep = tl.join(tl.join(tl.join(r0 & 0xFFFF, r0 >> 16), tl.join(r1 & 0xFFFF, r1 >> 16)),
                    tl.join(tl.join(r2 & 0xFFFF, r2 >> 16), tl.join(r3 & 0xFFFF, r3 >> 16))) >= threshold
@@ -233,8 +233,8 @@ def dropout_keep_transposed(seed, offset, rows0, n0, max_seqlen_k, dropout_p,
     cols = n0 // 4 + tl.arange(0, BLOCK_N // 16)[:, None] * 4 + (key_low >> 1)[None, :]  # (BN/16, 8)
     rows = (rows0 + tl.arange(0, BLOCK_M // 16)[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.int64)  # (BM/16, 8)
     counter = offset + cols[:, :, None, None] + rows[None, None, :, :] * groups_per_row  # (BN/16, 8, BM/16, 8)
-    r0, r1, r2, r3 = _philox4x32_10(seed, counter)
-    threshold = _dropout_threshold(dropout_p)
+    r0, r1, r2, r3 = philox4x32_10(seed, counter)
+    threshold = dropout_threshold(dropout_p)
     high = (key_low & 1)[None, :, None, None] != 0
     # word r[2 * i3 + j3]; joined dims: (j >> 4, j & 7, i >> 4, i & 7, j3, i3)
     keep = tl.join(tl.join(_keep_half(r0, high, threshold), _keep_half(r1, high, threshold)),

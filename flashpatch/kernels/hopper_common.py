@@ -53,14 +53,14 @@ def rows_view(t: torch.Tensor):
 
 
 def sm90_dense_ok(*tensors: torch.Tensor, varlen: bool, window_left: int, window_right: int, softcap: float,
-                  dropout_p: float) -> bool:
+                  dropout_p: float, with_dropout: bool = False) -> bool:
     """The scope the Gluon kernels share: sm_90 with Gluon enabled (`enabled`), dense (B, S, H, D) tensors that
-    `rows_view` maps, bf16 or fp16, head dim 64 or 128, causal or unmasked, no softcap or dropout, 32-bit element
-    offsets. Each kernel adds its tile divisibility."""
+    `rows_view` maps, bf16 or fp16, head dim 64 or 128, causal or unmasked, no softcap, no dropout unless the
+    kernel draws it (`with_dropout`), 32-bit element offsets. Each kernel adds its tile divisibility."""
     q = tensors[0]
     if not (enabled() and q.is_cuda and capability(q.device) == (9, 0)):
         return False
-    if varlen or softcap > 0 or dropout_p > 0 or window_left >= 0 or window_right not in (-1, 0):
+    if varlen or softcap > 0 or (dropout_p > 0 and not with_dropout) or window_left >= 0 or window_right not in (-1, 0):
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128):
         return False

@@ -4,10 +4,12 @@
                          tile of K and one of V into a ring of STAGES buffers, each with its own `ready` mbarrier.
   consumer w (4 warps):  queries [m0 + 64 w, m0 + 64 w + 64): per step S = Q Kᵀ and dP = dO Vᵀ issued together,
                          P = exp2(S - LSE) while dP runs, dS = P (dP - delta), dQ += dS K; the stage is released
-                         once dS K is done.
+                         once dS K is done. With dropout, the keep bits of the step are drawn while the two
+                         matmuls run (`dropout_keep_acc`) and dP becomes dP · Z / (1 - p).
 
 Reads the LSE (natural log) and delta = rowsum(dO * O) that the forward and backward.py's preprocess kernel wrote.
-Its programs, K/V ring and producer loop are the forward's (hopper_fwd.py). Scope: `supported`, the same.
+Its programs, K/V ring and producer loop are the forward's (hopper_fwd.py). Scope: `supported`, the forward's and
+dropout (the Gluon forward has none: drawn there, the keep bits cost more than in the Triton forward, NOTES.md v23).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from flashpatch.kernels.common import dropout_head_rows, dropout_threshold, philox4x32_10
 from flashpatch.kernels.config import head_group
 from flashpatch.kernels.hopper_common import AVAILABLE, descriptor, sm90_dense_ok, tma_load
 
@@ -36,6 +39,39 @@ MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to th
 if AVAILABLE:
 
     @gluon.jit
+    def dropout_keep_acc(seed, offset, rows0, n0, seqlen_k, dropout_p, like):
+        """common.dropout_keep's (BLOCK_M, BLOCK_N) keep tile, bit for bit, in the shape and layout of `like`, a
+        wgmma accumulator (rows0 = dropout_head_rows(...) + m0 // 2).
+
+        Each Philox call decides the eight (query, key) pairs that differ in query bit 3 and key bits 0 and 3, and
+        in the accumulator layout a thread holds all eight. So the counters are computed per element, the tile is
+        reshaped so that those three bits are its last dimensions, and splitting them off leaves one counter per
+        call in the thread that needs its outputs; joining the outputs back and undoing the reshape gives the
+        accumulator layout again, which `assert_trivial` checks at compile time (no data moves between threads)."""
+        BLOCK_M: gl.constexpr = like.shape[0]
+        BLOCK_N: gl.constexpr = like.shape[1]
+        layout: gl.constexpr = like.type.layout
+        groups_per_row = gl.cdiv(seqlen_k, 16) * 4
+        i = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        j = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        row = (rows0 + (i >> 4) * 8 + (i & 7)).to(gl.int64)  # counter row of query i (bit 3 dropped)
+        col = n0 // 4 + (j >> 4) * 4 + ((j >> 1) & 3)  # counter column of key j (bits 0 and 3 dropped)
+        counter = offset + row[:, None] * groups_per_row + col[None, :]  # (BM, BN): each counter 8 times
+        # (i >> 4, i3, i & 7, j >> 4, j3, (j >> 1) & 3, j0) -> (i >> 4, i & 7, j >> 4, (j >> 1) & 3, j0, j3, i3)
+        counter = gl.permute(gl.reshape(counter, [BLOCK_M // 16, 2, 8, BLOCK_N // 16, 2, 4, 2]),
+                             [0, 2, 3, 5, 6, 4, 1])
+        counter, _ = gl.split(counter)  # i3 = 0
+        counter, _ = gl.split(counter)  # j3 = 0
+        counter, _ = gl.split(counter)  # j0 = 0: (BM / 16, 8, BN / 16, 4), one counter per call
+        r0, r1, r2, r3 = philox4x32_10(seed, counter)
+        threshold = dropout_threshold(dropout_p)
+        # word r[2 * i3 + j3], low half for even keys: the joins rebuild (..., j0, j3, i3), as common.dropout_keep
+        keep = gl.join(gl.join(gl.join(r0 & 0xFFFF, r0 >> 16), gl.join(r1 & 0xFFFF, r1 >> 16)),
+                       gl.join(gl.join(r2 & 0xFFFF, r2 >> 16), gl.join(r3 & 0xFFFF, r3 >> 16))) >= threshold
+        keep = gl.reshape(gl.permute(keep, [0, 6, 1, 2, 5, 3, 4]), [BLOCK_M, BLOCK_N])
+        return gl.convert_layout(keep, layout, assert_trivial=True)
+
+    @gluon.jit
     def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty,
                      qdo_bar, q_row, q_col, do_row, do_col, k_row, k_col, v_row, v_col, n_steps,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
@@ -47,7 +83,8 @@ if AVAILABLE:
 
     @gluon.jit
     def _dq_step(i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta, offs_m, offs_n,
-                 shift, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                 shift, qk_scale, seed, offset, drop_rows, seqlen_k, dropout_p, MASKED: gl.constexpr,
+                 DROPOUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq.type.layout, k_width=2)
         s = i % STAGES
         phase = (i // STAGES) & 1
@@ -56,11 +93,15 @@ if AVAILABLE:
         qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (HALF_M, BLOCK_N)
         mbarrier.wait(ready_v.index(s), phase)
         dp = warpgroup_mma(do_s, v_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if DROPOUT:  # integer work under both matmuls
+            keep = dropout_keep_acc(seed, offset, drop_rows, i * BLOCK_N, seqlen_k, dropout_p, zero_s)
         qk = warpgroup_mma_wait(1, deps=(qk, ))
         p = gl.exp2(qk * qk_scale - lse_log2[:, None])
         if MASKED:  # bottom-right aligned: key n is visible from query m when n <= m + Sk - Sq
             p = gl.where((i * BLOCK_N + offs_n)[None, :] <= offs_m[:, None] + shift, p, 0.0)
         dp = warpgroup_mma_wait(0, deps=(dp, ))
+        if DROPOUT:
+            dp = gl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         dq = warpgroup_mma(gl.convert_layout(ds.to(q_s.dtype), a_layout), k_s, dq, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq, ))
@@ -69,9 +110,9 @@ if AVAILABLE:
 
     @gluon.jit
     def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_bar, DQ, LSE, DELTA, dq_base,
-                     stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale,
-                     WG: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr):
+                     stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale, SEED_OFFSET,
+                     drop_rows, seqlen_k, dropout_p, WG: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DROPOUT: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -84,14 +125,22 @@ if AVAILABLE:
         delta = gl.load(DELTA + lse_base + offs_m)
         zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
         dq = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
+        seed = 0
+        offset = 0
+        if DROPOUT:
+            seed = gl.load(SEED_OFFSET)
+            offset = gl.load(SEED_OFFSET + 1)
+        drop_rows = drop_rows + WG * HALF_M // 2  # this warpgroup's first counter row
 
         mbarrier.wait(qdo_bar, 0)
         for i in range(0, n_full):
             dq = _dq_step(i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta, offs_m,
-                          offs_n, shift, qk_scale, False, BLOCK_N, STAGES)
+                          offs_n, shift, qk_scale, seed, offset, drop_rows, seqlen_k, dropout_p, False, DROPOUT,
+                          BLOCK_N, STAGES)
         for i in range(n_full, n_steps):
             dq = _dq_step(i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta, offs_m,
-                          offs_n, shift, qk_scale, True, BLOCK_N, STAGES)
+                          offs_n, shift, qk_scale, seed, offset, drop_rows, seqlen_k, dropout_p, True, DROPOUT,
+                          BLOCK_N, STAGES)
 
         rows = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
         offs_d = gl.arange(0, HEADDIM, layout=gl.SliceLayout(0, o_layout))
@@ -99,12 +148,12 @@ if AVAILABLE:
 
     @gluon.jit
     def attn_bwd_dq_hopper_kernel(
-        q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA,
+        q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, SEED_OFFSET,
         q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
         stride_dqb, stride_dqs, stride_dqh, stride_lse_b, stride_lse_h,
-        nheads, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+        nheads, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr,
+        STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, DROPOUT: gl.constexpr,
     ):
         off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_program(
             seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_GROUP)
@@ -117,13 +166,16 @@ if AVAILABLE:
 
         dq_base = off_b * stride_dqb + off_h * stride_dqh
         lse_base = off_b * stride_lse_b + off_h * stride_lse_h
+        drop_rows = dropout_head_rows(off_b, nheads, off_h, seqlen_q) + m0 // 2
         gl.warp_specialize([
             (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_bar, DQ, LSE, DELTA,
                             dq_base, stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale,
-                            0, HEADDIM, HALF_M, BLOCK_N, STAGES)),
+                            SEED_OFFSET, drop_rows, seqlen_k, dropout_p, 0, HEADDIM, HALF_M, BLOCK_N, STAGES,
+                            DROPOUT)),
             (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_bar, DQ, LSE, DELTA,
                             dq_base, stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale,
-                            1, HEADDIM, HALF_M, BLOCK_N, STAGES)),
+                            SEED_OFFSET, drop_rows, seqlen_k, dropout_p, 1, HEADDIM, HALF_M, BLOCK_N, STAGES,
+                            DROPOUT)),
             (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v,
                             empty, qdo_bar,
                             off_b * q_rows[0] + off_h * q_rows[1] + m0, off_h * q_cols,
@@ -137,15 +189,17 @@ if AVAILABLE:
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, varlen: bool,
               max_seqlen_q: int, max_seqlen_k: int, window_left: int, window_right: int, softcap: float,
               dropout_p: float) -> bool:
-    """hopper_common.sm90_dense_ok, and lengths that divide the tiles (the 2-D TMA views run on into the next
-    head's rows)."""
+    """hopper_common.sm90_dense_ok, with dropout, and lengths that divide the tiles (the 2-D TMA views run on into
+    the next head's rows)."""
     return (sm90_dense_ok(q, k, v, dout, varlen=varlen, window_left=window_left, window_right=window_right,
-                          softcap=softcap, dropout_p=dropout_p)
+                          softcap=softcap, dropout_p=dropout_p, with_dropout=True)
             and max_seqlen_q % BLOCK_M == 0 and max_seqlen_k % BLOCK_N == 0)
 
 
-def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: float, causal: bool) -> None:
-    """dQ (written into dq, (B, Sq, H, D)) for a call `supported` accepted; lse, delta: (B, H, Sq) fp32."""
+def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: float, causal: bool,
+                seed_offset=None, dropout_p: float = 0.0) -> None:
+    """dQ (written into dq, (B, Sq, H, D)) for a call `supported` accepted; lse, delta: (B, H, Sq) fp32;
+    seed_offset: the forward's (2,) int64 (ops.draw_seed_offset) when dropout_p > 0."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     q_desc, q_rows, q_cols = descriptor(q, BLOCK_M)
@@ -154,11 +208,11 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
     v_desc, v_rows, v_cols = descriptor(v, BLOCK_N)
     grid = (batch * nheads * triton.cdiv(seqlen_q, BLOCK_M),)
     attn_bwd_dq_hopper_kernel[grid](
-        q_desc, do_desc, k_desc, v_desc, dq, lse, delta,
+        q_desc, do_desc, k_desc, v_desc, dq, lse, delta, seed_offset,
         q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,
         dq.stride(0), dq.stride(1), dq.stride(2), lse.stride(0), lse.stride(1),
-        nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+        nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
-        HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_q, BLOCK_M), q.device),
+        HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_q, BLOCK_M), q.device), DROPOUT=dropout_p > 0,
         num_warps=4, maxnreg=MAXNREG,
     )
