@@ -7,6 +7,21 @@ import torch
 from flashpatch import ops
 from flashpatch.validation import AttnArgs
 
+try:  # private, but stable since torch 2.0; without it every call goes through the custom ops
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+except ImportError:  # pragma: no cover - depends on the installed torch
+    _get_current_dispatch_mode = None
+
+
+def _eager(*tensors) -> bool:
+    """Whether a call may skip the custom op's dispatch and run its implementation directly: plain tensors, no
+    torch.compile trace and no TorchDispatchMode (fake tensors, functionalization, selective checkpointing...),
+    i.e. when dispatching would only cost host time (~100 us per forward + backward, NOTES.md v24). Everything
+    else goes through torch.ops.flashpatch, whose fake kernels tracers need."""
+    if _get_current_dispatch_mode is None or torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    return all(t is None or type(t) is torch.Tensor for t in tensors)
+
 
 class FlashAttnFunction(torch.autograd.Function):
     @staticmethod
@@ -15,7 +30,8 @@ class FlashAttnFunction(torch.autograd.Function):
         # The (seed, offset) pair lives on the device and is saved for backward, which regenerates the same
         # mask from it. Drawn from torch's generator, so manual_seed and checkpoint's RNG replay both hold.
         seed_offset = ops.draw_seed_offset(q.device) if args.dropout_p > 0 else None
-        out, lse = torch.ops.flashpatch.attn_fwd(
+        attn_fwd = ops.attn_fwd_impl if _eager(q, k, v, cu_seqlens_q, cu_seqlens_k) else torch.ops.flashpatch.attn_fwd
+        out, lse = attn_fwd(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed_offset,
             args.dropout_p, args.softmax_scale, args.window_left, args.window_right, args.softcap,
         )
@@ -30,7 +46,9 @@ class FlashAttnFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse, _dseed):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed_offset = ctx.saved_tensors
         args = ctx.args
-        dq, dk, dv = torch.ops.flashpatch.attn_bwd(
+        attn_bwd = (ops.attn_bwd_impl if _eager(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+                    else torch.ops.flashpatch.attn_bwd)
+        dq, dk, dv = attn_bwd(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, seed_offset,
             args.dropout_p, args.softmax_scale, args.window_left, args.window_right, args.softcap,
             ctx.deterministic,

