@@ -10,6 +10,7 @@ FLASHPATCH_GLUON=0 turns them off. No argument checking here: flashpatch.validat
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -147,10 +148,25 @@ def _launch_configs(q: torch.Tensor, k: torch.Tensor, varlen: bool, max_seqlen_q
                                      max_seqlen_q <= kernel_config.SHORT, q.shape[-2] != k.shape[-2])
 
 
+def _on_input_device(fn):
+    """fn run with the current CUDA device set to its first argument's, as flash-attn's CUDAGuard does: Triton
+    launches on the current device (and allocates TMA descriptor scratch there), so without it a model spread over
+    GPUs in one process (transformers' device_map) would launch its later layers on the wrong GPU."""
+    @functools.wraps(fn)
+    def on_device(*args, **kwargs):
+        t = args[0]
+        if t.is_cuda and t.device.index != torch.cuda.current_device():
+            with torch.cuda.device(t.device):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return on_device
+
+
 def batch_size(q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]) -> int:
     return cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else q.shape[0]
 
 
+@_on_input_device
 def attn_fwd_impl(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -217,6 +233,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed_offs
         _lse_shape(q, varlen), dtype=torch.float32)
 
 
+@_on_input_device
 def attn_bwd_impl(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -328,6 +345,7 @@ def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     return fresh(q), fresh(k), fresh(v)
 
 
+@_on_input_device
 def dropout_pattern(
     seed_offset: torch.Tensor, batch: int, nheads: int, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float
 ) -> torch.Tensor:
