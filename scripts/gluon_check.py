@@ -49,7 +49,7 @@ SHAPES = {
     "d64f4k": (4, 4096, 4096, 32, 32, 64, False),
     "d64f8k": (2, 8192, 8192, 32, 32, 64, False),
     "d64c1k": (16, 1024, 1024, 32, 8, 64, True),  # short GQA rows
-    "dropc2k": (8, 2048, 2048, 16, 16, 128, True, 0.1),  # attention dropout: the Triton kernels
+    "dropc2k": (8, 2048, 2048, 16, 16, 128, True, 0.1),  # dropout: Triton fwd, dK/dV (atomic dQ here)
     "dropc8k": (2, 8192, 8192, 16, 16, 128, True, 0.1),
 }
 VARIANTS = {  # name: (Gluon dK/dV, its stages, its grid order: None = config.head_group's)
