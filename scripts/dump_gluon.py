@@ -1,7 +1,7 @@
 """Compile a Gluon Hopper kernel (flashpatch/kernels/hopper_fwd.py, hopper_dkdv.py) for sm_90 without a GPU and
 report shared memory, registers and spills, and the barriers in its PTX.
 
-    PYTHONPATH=/tmp/t36 python scripts/dump_gluon.py {dkdv,dq,fwd} [--headdim 128] [--causal] [--stages 2] [--dropout (dq)]
+    PYTHONPATH=/tmp/t36 python scripts/dump_gluon.py {dkdv,dq,fwd} [--headdim 128] [--causal] [--stages 2] [--dropout]
 """
 
 import argparse
