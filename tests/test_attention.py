@@ -123,7 +123,6 @@ def test_torch_compile_fullgraph_traces_through():
         torch.testing.assert_close(a, b)
 
 
-
 def test_eager_calls_skip_the_dispatcher_and_tracers_still_see_the_ops(monkeypatch):
     # autograd._eager: plain tensors outside any trace run the implementations directly (host time); under a
     # TorchDispatchMode, as in fake-tensor tracing, functionalization or selective checkpointing, the custom ops
@@ -160,6 +159,7 @@ def test_eager_calls_skip_the_dispatcher_and_tracers_still_see_the_ops(monkeypat
     torch.testing.assert_close(out_mode, out, rtol=0, atol=0)
     for a, b in zip(grads_mode, grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
 
 def test_custom_ops_pass_opcheck():
     q, k, v = random_qkv(1, 9, 11, 2, 1, 16, torch.float32, requires_grad=False)

@@ -199,7 +199,6 @@ def test_deterministic_bitwise_repeat_bf16():
         assert torch.equal(a, b)
 
 
-
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs in one process")
 def test_tensors_on_another_gpu_than_the_current_one_bf16():
     # ops._on_input_device: a model spread over GPUs (device_map) calls attention with the current device elsewhere
@@ -210,6 +209,7 @@ def test_tensors_on_another_gpu_than_the_current_one_bf16():
     grads = torch.autograd.grad(out, (q, k, v), dout)
     assert out.device == torch.device("cuda:1") and torch.cuda.current_device() == 0
     check_against_reference(out, grads, q, k, v, dout, causal=True)
+
 
 def test_tensors_over_2_pow_31_elements():
     """int64 addressing: 2^31 + 2^24 elements per tensor, unpadded, checked on the last sequence."""
