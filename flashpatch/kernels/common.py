@@ -205,6 +205,14 @@ def dropout_keep(seed, offset, rows0, n0, max_seqlen_k, dropout_p, BLOCK_M: tl.c
     rows = (rows0 + tl.arange(0, BLOCK_M // 16)[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.int64)  # (BM/16, 8)
     cols = n0 // 4 + tl.arange(0, BLOCK_N // 16)[:, None] * 4 + tl.arange(0, 4)[None, :]  # (BN/16, 4)
     counter = offset + rows[:, :, None, None] * groups_per_row + cols[None, None, :, :]  # (BM/16, 8, BN/16, 4)
+    return keep_tile(seed, counter, dropout_p, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def keep_tile(seed, counter, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The (BLOCK_M, BLOCK_N) keep tile from the (BM/16, 8, BN/16, 4) Philox counters of `dropout_keep`, one per
+    call: the part of the draw that `dropout_keep` and the Gluon dQ (hopper_dq.dropout_keep_acc) share, so that
+    their bits agree by construction."""
     r0, r1, r2, r3 = philox4x32_10(seed, counter)
     threshold = dropout_threshold(dropout_p)
     # word r[2 * i3 + j3]; joined dims after the three joins: (i >> 4, i & 7, j >> 4, (j >> 1) & 3, j0, j3, i3)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from flashpatch.kernels.common import dropout_head_rows, dropout_threshold, philox4x32_10
+from flashpatch.kernels.common import dropout_head_rows, keep_tile
 from flashpatch.kernels.config import head_group
 from flashpatch.kernels.hopper_common import AVAILABLE, descriptor, sm90_dense_ok, tma_load
 
@@ -63,12 +63,7 @@ if AVAILABLE:
         counter, _ = gl.split(counter)  # i3 = 0
         counter, _ = gl.split(counter)  # j3 = 0
         counter, _ = gl.split(counter)  # j0 = 0: (BM / 16, 8, BN / 16, 4), one counter per call
-        r0, r1, r2, r3 = philox4x32_10(seed, counter)
-        threshold = dropout_threshold(dropout_p)
-        # word r[2 * i3 + j3], low half for even keys: the joins rebuild (..., j0, j3, i3), as common.dropout_keep
-        keep = gl.join(gl.join(gl.join(r0 & 0xFFFF, r0 >> 16), gl.join(r1 & 0xFFFF, r1 >> 16)),
-                       gl.join(gl.join(r2 & 0xFFFF, r2 >> 16), gl.join(r3 & 0xFFFF, r3 >> 16))) >= threshold
-        keep = gl.reshape(gl.permute(keep, [0, 6, 1, 2, 5, 3, 4]), [BLOCK_M, BLOCK_N])
+        keep = keep_tile(seed, counter, dropout_p, BLOCK_M, BLOCK_N)  # the joins undo the splits and the reshape
         return gl.convert_layout(keep, layout, assert_trivial=True)
 
     @gluon.jit
