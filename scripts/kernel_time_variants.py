@@ -1,9 +1,10 @@
 """GPU kernel time (torch profiler, not wall clock) of launch variants at one shape: for shapes whose kernels are
 short enough that do_bench's timing includes host launch overhead (the 1B recipe's attention: ~0.1 ms kernels).
-Dense causal rows, bf16; each variant overrides fields of the launch settings config.py picks for the shape.
+Dense rows (causal unless --full), bf16; each variant overrides fields of the launch settings config.py picks for
+the shape.
 
     python scripts/kernel_time_variants.py [--seqlen 1024 --batch 8 --heads 16 --kv-heads 4 --headdim 128] [--match fwd]
-                                           [--dropout 0.1]
+                                           [--dropout 0.1] [--full]
 """
 
 import argparse
@@ -66,6 +67,7 @@ def main():
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--headdim", type=int, default=128)
     parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--full", action="store_true", help="no causal mask")
     parser.add_argument("--match", default="", help="regular expression: only the variants whose name it finds "
                         "(and 'current')")
     args = parser.parse_args()
@@ -73,15 +75,17 @@ def main():
     q, k, v = (torch.randn(b, n, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for heads in (h, hk, hk))  # (B, S, H, D)
     dout = torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
-    fwd_flops = 4 * b * h * n * n * d / 2  # causal
+    causal = not args.full
+    fwd_flops = 4 * b * h * n * n * d / (2 if causal else 1)
 
     def step():
-        out = flashpatch.flash_attn_func(q, k, v, causal=True, dropout_p=args.dropout)
+        out = flashpatch.flash_attn_func(q, k, v, causal=causal, dropout_p=args.dropout)
         torch.autograd.grad(out, (q, k, v), dout)
 
-    base = kc.configs_for(d, True, masked=True, dropout=args.dropout > 0, aligned=True, short=n <= kc.SHORT,
+    base = kc.configs_for(d, True, masked=causal, dropout=args.dropout > 0, aligned=True, short=n <= kc.SHORT,
                           grouped=h != hk)
-    print(f"d{d} N={n} B={b} H={h}:{hk} causal, dropout {args.dropout}, GPU kernel ms per fwd+bwd (torch profiler, "
+    mask = "causal" if causal else "full"
+    print(f"d{d} N={n} B={b} H={h}:{hk} {mask}, dropout {args.dropout}, GPU kernel ms per fwd+bwd (torch profiler, "
           "20 steps; Triton and Gluon kernels of each kind together)")
     print("| variant | fwd | dK/dV | dQ | fwd+bwd | TFLOP/s |\n|---|---|---|---|---|---|")
     for name, make_fields in VARIANTS:
