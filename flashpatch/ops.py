@@ -22,6 +22,7 @@ from flashpatch.kernels import hopper_common, hopper_dkdv, hopper_dq, hopper_fwd
 from flashpatch.kernels.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from flashpatch.kernels.dropout_mask import dropout_mask_kernel
 from flashpatch.kernels.forward import attn_fwd_kernel
+from flashpatch.memo import once_per_tensor
 
 LOG2E = math.log2(math.e)
 _INTERPRETED = type(attn_fwd_kernel).__name__ == "InterpretedFunction"
@@ -111,6 +112,52 @@ def _ensure_allocator() -> None:
 
 def _grid(heads: int, num_blocks: int, blocks_fastest: bool) -> tuple[int, ...]:
     return (heads * num_blocks,) if blocks_fastest else (heads, num_blocks)
+
+
+def varlen_blocks(cu_seqlens: torch.Tensor, rows: int, block: int, heaviest_first: bool) -> torch.Tensor:
+    """(2, n) int32: the (sequence, block) pairs of a varlen launch's grid (common.batch_head_and_block), which then
+    holds nheads x n programs. A grid of batch x ceil(max_seqlen / block) blocks per head would be mostly empty
+    programs on a batch of mixed lengths (64k tokens in 73 documents of 64..4096: 37k programs per kernel, 9k of
+    them with work; the empty ones cost ~4 ns each of GPU time, NOTES.md v27), and it grows with the longest
+    sequence times the batch.
+
+    n = rows // block + batch bounds the blocks that exist, sum of ceil(length / block), from shapes alone (no
+    host sync); the pairs past the last block name block ceil(length_0 / block) of sequence 0, which the kernels
+    skip. heaviest_first: each sequence's blocks in reverse (the query blocks of a causal mask: the last ones see
+    the most keys). Computed on the device once per cu_seqlens tensor (memo.once_per_tensor)."""
+    batch = cu_seqlens.numel() - 1
+    count = rows // block + batch
+
+    def compute():
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        blocks = (lengths + block - 1) // block  # (batch,)
+        ends = blocks.cumsum(0)
+        index = torch.arange(count, device=cu_seqlens.device)
+        seq = torch.searchsorted(ends, index, right=True).clamp_(max=batch - 1)  # past the end: clamped, below
+        block_in_seq = index - (ends[seq] - blocks[seq])
+        if heaviest_first:
+            block_in_seq = blocks[seq] - 1 - block_in_seq
+        past_end = index >= ends[-1]
+        seq = seq.masked_fill(past_end, 0)
+        block_in_seq = torch.where(past_end, blocks[0], block_in_seq)
+        return torch.stack([seq, block_in_seq]).to(torch.int32)
+
+    return once_per_tensor(cu_seqlens, ("varlen_blocks", rows, block, heaviest_first), compute)
+
+
+_MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
+
+
+def _launch_grid(heads: int, block: int, blocks_fastest: bool, cu_seqlens: Optional[torch.Tensor], rows: int,
+                 batch: int, max_seqlen: int, heaviest_first: bool):
+    """(grid, VARLEN_BLOCKS, BLOCKS_FASTEST) of a launch with one program per head and block of `block` rows (of
+    queries: the forward and dQ, heaviest_first; of keys: dK/dV). A varlen grid too long for the second axis of
+    a 2-D grid becomes a 1-D one (common.head_and_block: a head's blocks side by side)."""
+    if cu_seqlens is None:
+        return _grid(batch * heads, triton.cdiv(max_seqlen, block), blocks_fastest), None, blocks_fastest
+    blocks = varlen_blocks(cu_seqlens, rows, block, heaviest_first)
+    blocks_fastest = blocks_fastest or blocks.shape[1] > _MAX_GRID_Y
+    return _grid(heads, blocks.shape[1], blocks_fastest), blocks, blocks_fastest
 
 
 def _head_group(cfg: kernel_config.LaunchConfig, varlen: bool, window_left: int, window_right: int, max_seqlen: int,
@@ -203,16 +250,17 @@ def attn_fwd_impl(
     if tma:
         _ensure_allocator()
     qk_scale, cap_log2 = _scales(softmax_scale, softcap)
-    grid = _grid(batch * nheads, triton.cdiv(max_seqlen_q, cfg.block_m), cfg.blocks_fastest)
+    grid, blocks, blocks_fastest = _launch_grid(nheads, cfg.block_m, cfg.blocks_fastest, cu_seqlens_q, q.shape[0],
+                                                batch, max_seqlen_q, heaviest_first=True)
     attn_fwd_kernel[grid](
-        q, k, v, out, lse, seed_offset, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, out, lse, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks,
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen), *_seq_strides(out, varlen),
         *_lse_strides(lse, varlen),
         nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
         qk_scale, cap_log2, dropout_p, window_left, window_right,
         HEADDIM=headdim, BLOCK_D=triton.next_power_of_2(headdim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **_common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype),
-        TMA=tma, BLOCKS_FASTEST=cfg.blocks_fastest,
+        TMA=tma, BLOCKS_FASTEST=blocks_fastest,
         HEAD_GROUP=_head_group(cfg, varlen, window_left, window_right, max_seqlen_q, q.device),
         EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, cfg.block_n),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -296,15 +344,17 @@ def attn_bwd_impl(
         tma_dkdv = c.tma and tma_usable(headdim, q, k, v, dout, dq_accum, dk, dv)
         if tma_dkdv:
             _ensure_allocator()
-        attn_bwd_dkdv_kernel[_grid(batch * nheads_k, triton.cdiv(max_seqlen_k, c.block_n), c.blocks_fastest)](
-            q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k,
+        grid, blocks, blocks_fastest = _launch_grid(nheads_k, c.block_n, c.blocks_fastest, cu_seqlens_k,
+                                                    k.shape[0], batch, max_seqlen_k, heaviest_first=False)
+        attn_bwd_dkdv_kernel[grid](
+            q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks,
             *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
             *_seq_strides(dout, varlen), *_seq_strides(dq_accum, varlen), *_seq_strides(dk, varlen),
             *_seq_strides(dv, varlen), *_lse_strides(lse, varlen),
             nheads, nheads_k, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
             qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
             HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq,
-            TMA=tma_dkdv, BLOCKS_FASTEST=c.blocks_fastest,
+            TMA=tma_dkdv, BLOCKS_FASTEST=blocks_fastest,
             HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_k, q.device, by_keys=True),
             EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_q, c.block_m), DP_FIRST=c.dp_first, **flags,
             num_warps=c.num_warps, num_stages=c.num_stages,
@@ -319,14 +369,16 @@ def attn_bwd_impl(
         tma_dq = c.tma and tma_usable(headdim, k, v)  # not atomic_dq: that branch is taken above
         if tma_dq:
             _ensure_allocator()
-        attn_bwd_dq_kernel[_grid(batch * nheads, triton.cdiv(max_seqlen_q, c.block_m), c.blocks_fastest)](
-            q, k, v, dout, lse, delta, dq, seed_offset, cu_seqlens_q, cu_seqlens_k,
+        grid, blocks, blocks_fastest = _launch_grid(nheads, c.block_m, c.blocks_fastest, cu_seqlens_q,
+                                                    q.shape[0], batch, max_seqlen_q, heaviest_first=True)
+        attn_bwd_dq_kernel[grid](
+            q, k, v, dout, lse, delta, dq, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks,
             *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
             *_seq_strides(dout, varlen), *_seq_strides(dq, varlen), *_lse_strides(lse, varlen),
             nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
             qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
             HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, TMA=tma_dq,
-            BLOCKS_FASTEST=c.blocks_fastest,
+            BLOCKS_FASTEST=blocks_fastest,
             HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_q, q.device),
             EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, c.block_n),
             **flags,

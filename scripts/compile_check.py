@@ -33,7 +33,7 @@ def signature(fn, dtype, constexprs):
                 sig[name] = "*fp32"
             elif name == "SEED_OFFSET":
                 sig[name] = "*i64"
-            elif name.startswith("CU_"):
+            elif name.startswith("CU_") or name == "VARLEN_BLOCKS":
                 sig[name] = "*i32"
             else:
                 sig[name] = f"*{dtype}"

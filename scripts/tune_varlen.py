@@ -4,7 +4,8 @@ tile that wins on dense rows can lose here; scripts/tune_kernels.py times dense 
     python scripts/tune_varlen.py [--headdim 64]      (CUDA GPU)
 
 The batch is recipes/bench_attention.py's: document lengths log-uniform in 64..4096, 64k tokens, causal, bf16,
-H*D = 2048. Prints forward and backward medians (triton.testing.do_bench) per variant.
+H*D = 2048. Prints forward and backward medians (triton.testing.do_bench) per variant, and each kernel's GPU time
+(torch profiler).
 """
 
 import argparse
@@ -16,10 +17,11 @@ import torch
 import triton
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "recipes")]  # runnable from a checkout, not installed
+sys.path[:0] = [str(ROOT), str(ROOT / "recipes"), str(ROOT / "scripts")]  # runnable from a checkout, not installed
 import flashpatch  # noqa: E402
 from bench_attention import varlen_lengths  # noqa: E402
 from flashpatch.kernels import config as kc  # noqa: E402
+from profile_kernels import kernel_times  # noqa: E402
 
 # Each entry: (name, function of the current KernelConfigs giving the fields to override).
 VARIANTS = [
@@ -30,6 +32,13 @@ VARIANTS = [
     ("dq pointers", lambda c: dict(bwd_dq=replace(c.bwd_dq, tma=False))),
     ("dkdv 32x128 w8 s3", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_m=32, block_n=128, num_warps=8))),
     ("dkdv 64x128 w8 s3", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_m=64, block_n=128, num_warps=8))),
+    # round 21: narrower key blocks (less causal waste on the diagonal of short documents), one warpgroup
+    ("dkdv 64x64 w4 s3", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_m=64, block_n=64, num_warps=4))),
+    ("dkdv 32x64 w4 s3", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_m=32, block_n=64, num_warps=4))),
+    ("dkdv 32x64 w8 s3", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_m=32, block_n=64, num_warps=8))),
+    ("dq 64x64 w4 s3", lambda c: dict(bwd_dq=replace(c.bwd_dq, block_m=64, block_n=64, num_warps=4))),
+    ("dq 128x32 w8 s3", lambda c: dict(bwd_dq=replace(c.bwd_dq, block_n=32))),
+    ("current, again", lambda c: {}),
 ]
 
 
@@ -57,7 +66,11 @@ def main():
             out = attend()
             bwd_ms = triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
                                              return_mode="median")
-        print(f"{name:14s} fwd {fwd_ms:.3f} ms  bwd {bwd_ms:.3f} ms  total {fwd_ms + bwd_ms:.3f} ms", flush=True)
+            times = kernel_times(lambda: torch.autograd.grad(attend(), (q, k, v), dout))
+        gpu = {kind: sum(t for key, t in times if key.startswith(kind)) for kind in
+               ("attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq")}
+        print(f"{name:18s} fwd {fwd_ms:.3f} ms  bwd {bwd_ms:.3f} ms  total {fwd_ms + bwd_ms:.3f} ms  | GPU kernel ms: "
+              + "  ".join(f"{kind[5:]} {t:.3f}" for kind, t in gpu.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -40,10 +40,47 @@ def _check_varlen(lengths_q, lengths_k, nheads, nheads_k, headdim, dtype, dropou
         ([30, 9], [30, 9], 3, 1, 64, torch.float16, {"window_size": (6, 2)}),
         ([1, 50, 0, 23], [3, 50, 5, 0], 2, 2, 32, torch.float16, {"softcap": 3.0}),
         ([44, 13], [20, 61], 2, 1, 32, torch.float32, {"dropout_p": 0.2, "causal": True}),
+        ([0, 33, 5], [0, 40, 5], 2, 1, 32, torch.float32, {"causal": True}),  # the first sequence empty
     ],
 )
 def test_varlen_matches_per_sequence_reference(lengths_q, lengths_k, nheads, nheads_k, headdim, dtype, kwargs):
     _check_varlen(lengths_q, lengths_k, nheads, nheads_k, headdim, dtype, **kwargs)
+
+
+@pytest.mark.parametrize("heaviest_first", [False, True])
+def test_varlen_grid_lists_every_block_once(heaviest_first):
+    """ops.varlen_blocks: the varlen grid's (sequence, block) pairs are each block of each sequence exactly once,
+    in sequence order (blocks reversed within a sequence when heaviest_first), and every other entry names a block
+    past the end of sequence 0, which the kernels skip."""
+    lengths, block = [0, 5, 33, 1, 64, 0, 16], 16
+    cu = flashpatch.padding.cu_seqlens_from_lengths(torch.tensor(lengths))
+    pairs = flashpatch.ops.varlen_blocks(cu, sum(lengths), block, heaviest_first)
+    assert pairs.dtype == torch.int32 and pairs.shape == (2, sum(lengths) // block + len(lengths))
+    expected = []
+    for seq, length in enumerate(lengths):
+        blocks = list(range(-(-length // block)))
+        expected += [(seq, b) for b in (blocks[::-1] if heaviest_first else blocks)]
+    listed = [tuple(p) for p in pairs.t().tolist()]
+    assert listed[: len(expected)] == expected
+    assert all(p == (0, 0) for p in listed[len(expected):])  # sequence 0 is empty: block 0 is past its end
+
+
+def test_varlen_grid_past_the_second_axis_limit_turns_one_dimensional():
+    # (heads, blocks) grids allow 65535 blocks; the varlen grid counts tokens / block, so millions of tokens need
+    # the 1-D order (checked on the grid alone: running it takes a GPU)
+    cu = flashpatch.padding.cu_seqlens_from_lengths(torch.tensor([3_000_000, 5]))
+    small = flashpatch.ops._launch_grid(4, 128, False, cu, 3_000_005, 2, 3_000_000, heaviest_first=True)
+    large = flashpatch.ops._launch_grid(4, 32, False, cu, 3_000_005, 2, 3_000_000, heaviest_first=True)
+    assert small[0] == (4, 3_000_005 // 128 + 2) and small[2] is False
+    assert large[0] == (4 * (3_000_005 // 32 + 2),) and large[2] is True
+
+
+def test_declared_max_seqlen_above_the_longest_changes_nothing():
+    # the varlen grid follows the tokens, not max_seqlen: a generous max_seqlen runs the very same blocks
+    q, k, v, cu, _ = _packed([9, 30, 2], [9, 30, 2], 2, 1, 32, torch.float32)
+    exact = flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, 30, 30, causal=True)
+    generous = flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, 300, 300, causal=True)
+    assert torch.equal(exact, generous)
 
 
 def test_hundreds_of_length_one_sequences():

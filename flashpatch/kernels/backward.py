@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from flashpatch.kernels.common import (
-    dropout_head_rows, dropout_keep, dropout_keep_transposed, head_and_block, head_rows_desc, key_block_range,
+    batch_head_and_block, dropout_head_rows, dropout_keep, dropout_keep_transposed, head_rows_desc, key_block_range,
     load_tile, query_block_program, query_block_range, seq_bounds, tanh, visible)
 
 
@@ -127,7 +127,7 @@ def _dkdv_inner(
 
 @triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k", "window_left", "window_right", "stride_lse_b", "stride_lse_h"])
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ_ACCUM, DK, DV, SEED_OFFSET, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, DO, LSE, DELTA, DQ_ACCUM, DK, DV, SEED_OFFSET, CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -144,9 +144,8 @@ def attn_bwd_dkdv_kernel(
     TMA: tl.constexpr, BLOCKS_FASTEST: tl.constexpr, HEAD_GROUP: tl.constexpr, EVEN: tl.constexpr,
     DP_FIRST: tl.constexpr,
 ):
-    off_bhk, pid_n = head_and_block(tl.cdiv(max_seqlen_k, BLOCK_N), BLOCKS_FASTEST, HEAD_GROUP)
-    off_b = (off_bhk // nheads_k).to(tl.int64)
-    off_hk = (off_bhk % nheads_k).to(tl.int64)
+    off_b, off_hk, pid_n = batch_head_and_block(VARLEN_BLOCKS, nheads_k, tl.cdiv(max_seqlen_k, BLOCK_N),
+                                                BLOCKS_FASTEST, HEAD_GROUP, IS_VARLEN)
     q_start, seqlen_q, k_start, seqlen_k = seq_bounds(
         CU_SEQLENS_Q, CU_SEQLENS_K, off_b, max_seqlen_q, max_seqlen_k, IS_VARLEN)
     n0 = pid_n * BLOCK_N
@@ -279,7 +278,7 @@ def _dq_inner(
 
 @triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k", "window_left", "window_right", "stride_lse_b", "stride_lse_h"])
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, SEED_OFFSET, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, DO, LSE, DELTA, DQ, SEED_OFFSET, CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -294,7 +293,7 @@ def attn_bwd_dq_kernel(
     BLOCKS_FASTEST: tl.constexpr, HEAD_GROUP: tl.constexpr, EVEN: tl.constexpr,
 ):
     off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, m0 = query_block_program(
-        CU_SEQLENS_Q, CU_SEQLENS_K, nheads, group_size, max_seqlen_q, max_seqlen_k, BLOCK_M, IS_VARLEN,
+        CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS, nheads, group_size, max_seqlen_q, max_seqlen_k, BLOCK_M, IS_VARLEN,
         BLOCKS_FASTEST, HEAD_GROUP)
     if m0 >= seqlen_q:
         return

@@ -48,18 +48,42 @@ def head_and_block(num_blocks, BLOCKS_FASTEST: tl.constexpr, HEAD_GROUP: tl.cons
 
 
 @triton.jit
-def query_block_program(CU_SEQLENS_Q, CU_SEQLENS_K, nheads, group_size, max_seqlen_q, max_seqlen_k,
+def batch_head_and_block(VARLEN_BLOCKS, nheads, num_blocks, BLOCKS_FASTEST: tl.constexpr, HEAD_GROUP: tl.constexpr,
+                         IS_VARLEN: tl.constexpr):
+    """(batch entry, head, block) of this program. Dense: num_blocks blocks per (batch entry, head), in
+    `head_and_block`'s order. Varlen: the grid holds only the blocks that exist, nheads x the length of
+    VARLEN_BLOCKS ((2, num_blocks) int32 of (sequence, block) pairs, ops.varlen_blocks; num_blocks is ignored), so
+    its size follows the tokens, not batch x the longest sequence. Pairs past the last block name a block past the
+    end of sequence 0, which the kernels skip."""
+    if IS_VARLEN:
+        if BLOCKS_FASTEST:
+            grid_blocks = tl.num_programs(0) // nheads
+        else:
+            grid_blocks = tl.num_programs(1)
+        off_h, block = head_and_block(grid_blocks, BLOCKS_FASTEST, HEAD_GROUP)
+        off_b = tl.load(VARLEN_BLOCKS + block)
+        block = tl.load(VARLEN_BLOCKS + grid_blocks + block)
+        return off_b.to(tl.int64), off_h.to(tl.int64), block
+    else:
+        off_bh, block = head_and_block(num_blocks, BLOCKS_FASTEST, HEAD_GROUP)
+        return (off_bh // nheads).to(tl.int64), (off_bh % nheads).to(tl.int64), block
+
+
+@triton.jit
+def query_block_program(CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS, nheads, group_size, max_seqlen_q, max_seqlen_k,
                         BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCKS_FASTEST: tl.constexpr,
                         HEAD_GROUP: tl.constexpr):
     """The work of a program in a query-block grid (the forward and dQ kernels), query blocks in reverse, so the
-    heaviest causal blocks start first. Returns (off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, m0);
-    off_hk is the K/V head that query head off_h reads in place (GQA). A program with m0 >= seqlen_q has nothing
-    to do (varlen: a sequence shorter than the grid)."""
+    heaviest causal blocks start first (varlen: ops.varlen_blocks lists them so). Returns (off_b, off_h, off_hk,
+    q_start, seqlen_q, k_start, seqlen_k, m0); off_hk is the K/V head that query head off_h reads in place (GQA).
+    A program with m0 >= seqlen_q has nothing to do."""
     num_blocks = tl.cdiv(max_seqlen_q, BLOCK_M)
-    off_bh, block = head_and_block(num_blocks, BLOCKS_FASTEST, HEAD_GROUP)
-    pid_m = num_blocks - 1 - block
-    off_b = (off_bh // nheads).to(tl.int64)
-    off_h = (off_bh % nheads).to(tl.int64)
+    off_b, off_h, block = batch_head_and_block(VARLEN_BLOCKS, nheads, num_blocks, BLOCKS_FASTEST, HEAD_GROUP,
+                                               IS_VARLEN)
+    if IS_VARLEN:
+        pid_m = block
+    else:
+        pid_m = num_blocks - 1 - block
     q_start, seqlen_q, k_start, seqlen_k = seq_bounds(
         CU_SEQLENS_Q, CU_SEQLENS_K, off_b, max_seqlen_q, max_seqlen_k, IS_VARLEN)
     return off_b, off_h, off_h // group_size, q_start, seqlen_q, k_start, seqlen_k, pid_m * BLOCK_M

@@ -58,7 +58,7 @@ def _fwd_inner(
 
 @triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k", "window_left", "window_right", "stride_lse_b", "stride_lse_h"])
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, SEED_OFFSET, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, O, LSE, SEED_OFFSET, CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -72,7 +72,7 @@ def attn_fwd_kernel(
     TMA: tl.constexpr, BLOCKS_FASTEST: tl.constexpr, HEAD_GROUP: tl.constexpr, EVEN: tl.constexpr,
 ):
     off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, m0 = query_block_program(
-        CU_SEQLENS_Q, CU_SEQLENS_K, nheads, group_size, max_seqlen_q, max_seqlen_k, BLOCK_M, IS_VARLEN,
+        CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS, nheads, group_size, max_seqlen_q, max_seqlen_k, BLOCK_M, IS_VARLEN,
         BLOCKS_FASTEST, HEAD_GROUP)
     if m0 >= seqlen_q:  # varlen: this sequence is shorter than the grid
         return

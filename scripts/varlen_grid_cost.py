@@ -1,0 +1,45 @@
+"""What the varlen grid costs beyond the work: GPU kernel time (torch profiler) of one varlen batch with max_seqlen
+as it is, x2 and x4, then as it is again. The kernels' loops follow the real lengths; with a grid of batch x
+ceil(max_seqlen / block) blocks per head every extra block is a program that exits at once, with the grid of
+ops.varlen_blocks (NOTES.md v27) nothing changes.
+
+    python scripts/varlen_grid_cost.py      (CUDA GPU; the batch is recipes/bench_attention.py's varlen mix, d128)
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "recipes"), str(ROOT / "scripts")]  # runnable from a checkout, not installed
+import flashpatch  # noqa: E402
+from bench_attention import varlen_lengths  # noqa: E402
+from profile_kernels import kernel_times  # noqa: E402
+
+
+def main():
+    torch.manual_seed(0)
+    lengths = varlen_lengths()
+    cu_seqlens = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    total, nheads, headdim = sum(lengths), 16, 128
+    q, k, v = (torch.randn(total, nheads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))  # (total, H, D)
+    dout = torch.randn_like(q)
+    for scale in (1, 2, 4, 1):
+        max_seqlen = max(lengths) * scale
+
+        def step():
+            out = flashpatch.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                                    causal=True)
+            torch.autograd.grad(out, (q, k, v), dout)
+
+        times = kernel_times(step, iters=20)
+        per_kind = {kind: sum(t for key, t in times if key.startswith(kind))
+                    for kind in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")}
+        print(f"max_seqlen {max_seqlen}: " + "  ".join(f"{kind[5:]} {t:.3f} ms" for kind, t in per_kind.items()),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
