@@ -114,7 +114,8 @@ def _grid(heads: int, num_blocks: int, blocks_fastest: bool) -> tuple[int, ...]:
     return (heads * num_blocks,) if blocks_fastest else (heads, num_blocks)
 
 
-def varlen_blocks(cu_seqlens: torch.Tensor, rows: int, block: int, heaviest_first: bool) -> torch.Tensor:
+def varlen_blocks(cu_seqlens: torch.Tensor, rows: int, block: int, heaviest_first: bool,
+                  index_major: bool) -> torch.Tensor:
     """(2, n) int32: the (sequence, block) pairs of a varlen launch's grid (common.batch_head_and_block), which then
     holds nheads x n programs. A grid of batch x ceil(max_seqlen / block) blocks per head would be mostly empty
     programs on a batch of mixed lengths (64k tokens in 73 documents of 64..4096: 37k programs per kernel, 9k of
@@ -123,8 +124,12 @@ def varlen_blocks(cu_seqlens: torch.Tensor, rows: int, block: int, heaviest_firs
 
     n = rows // block + batch bounds the blocks that exist, sum of ceil(length / block), from shapes alone (no
     host sync); the pairs past the last block name block ceil(length_0 / block) of sequence 0, which the kernels
-    skip. heaviest_first: each sequence's blocks in reverse (the query blocks of a causal mask: the last ones see
-    the most keys). Computed on the device once per cu_seqlens tensor (memo.once_per_tensor)."""
+    skip. Order: heaviest_first runs each sequence's blocks from the last down (query blocks: under a causal mask
+    the last see the most keys), else from 0 up (key blocks: the first are seen by the most queries);
+    index_major sorts by that index, the sequences side by side within one index, which is how a
+    (batch x heads, blocks) grid ran them (so the longest sequences' heaviest blocks start first, wherever they
+    sit in the batch), else a sequence's blocks sit side by side, as they did in a 1-D grid. Computed on the
+    device once per cu_seqlens tensor (memo.once_per_tensor)."""
     batch = cu_seqlens.numel() - 1
     count = rows // block + batch
 
@@ -138,11 +143,15 @@ def varlen_blocks(cu_seqlens: torch.Tensor, rows: int, block: int, heaviest_firs
         if heaviest_first:
             block_in_seq = blocks[seq] - 1 - block_in_seq
         past_end = index >= ends[-1]
+        if index_major:
+            order_key = torch.where(past_end, 2**40, -block_in_seq if heaviest_first else block_in_seq)
+            order = torch.sort(order_key, stable=True).indices  # by block index, then sequence; past the end last
+            seq, block_in_seq, past_end = seq[order], block_in_seq[order], past_end[order]
         seq = seq.masked_fill(past_end, 0)
         block_in_seq = torch.where(past_end, blocks[0], block_in_seq)
         return torch.stack([seq, block_in_seq]).to(torch.int32)
 
-    return once_per_tensor(cu_seqlens, ("varlen_blocks", rows, block, heaviest_first), compute)
+    return once_per_tensor(cu_seqlens, ("varlen_blocks", rows, block, heaviest_first, index_major), compute)
 
 
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
@@ -155,8 +164,9 @@ def _launch_grid(heads: int, block: int, blocks_fastest: bool, cu_seqlens: Optio
     a 2-D grid becomes a 1-D one (common.head_and_block: a head's blocks side by side)."""
     if cu_seqlens is None:
         return _grid(batch * heads, triton.cdiv(max_seqlen, block), blocks_fastest), None, blocks_fastest
-    blocks = varlen_blocks(cu_seqlens, rows, block, heaviest_first)
-    blocks_fastest = blocks_fastest or blocks.shape[1] > _MAX_GRID_Y
+    if not blocks_fastest and rows // block + cu_seqlens.numel() - 1 > _MAX_GRID_Y:
+        blocks_fastest = True
+    blocks = varlen_blocks(cu_seqlens, rows, block, heaviest_first, index_major=not blocks_fastest)
     return _grid(heads, blocks.shape[1], blocks_fastest), blocks, blocks_fastest
 
 
