@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from flashpatch.kernels.common import (
-    batch_head_and_block, dropout_head_rows, dropout_keep, dropout_keep_transposed, head_rows_desc, key_block_range,
-    load_tile, query_block_program, query_block_range, seq_bounds, tanh, visible)
+    batch_head_and_block, dropout_head_rows, dropout_keep, dropout_keep_transposed, head_rows_desc,
+    key_block_range, load_tile, query_block_program, query_block_range, seq_bounds, tanh, visible)
 
 
 @triton.jit(do_not_specialize=["max_seqlen_q", "stride_lse_b", "stride_lse_h"])
@@ -293,8 +293,8 @@ def attn_bwd_dq_kernel(
     BLOCKS_FASTEST: tl.constexpr, HEAD_GROUP: tl.constexpr, EVEN: tl.constexpr,
 ):
     off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, m0 = query_block_program(
-        CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS, nheads, group_size, max_seqlen_q, max_seqlen_k, BLOCK_M, IS_VARLEN,
-        BLOCKS_FASTEST, HEAD_GROUP)
+        CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS, nheads, group_size, max_seqlen_q, max_seqlen_k, BLOCK_M,
+        IS_VARLEN, BLOCKS_FASTEST, HEAD_GROUP)
     if m0 >= seqlen_q:
         return
 

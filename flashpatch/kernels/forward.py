@@ -72,9 +72,9 @@ def attn_fwd_kernel(
     TMA: tl.constexpr, BLOCKS_FASTEST: tl.constexpr, HEAD_GROUP: tl.constexpr, EVEN: tl.constexpr,
 ):
     off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, m0 = query_block_program(
-        CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS, nheads, group_size, max_seqlen_q, max_seqlen_k, BLOCK_M, IS_VARLEN,
-        BLOCKS_FASTEST, HEAD_GROUP)
-    if m0 >= seqlen_q:  # varlen: this sequence is shorter than the grid
+        CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS, nheads, group_size, max_seqlen_q, max_seqlen_k, BLOCK_M,
+        IS_VARLEN, BLOCKS_FASTEST, HEAD_GROUP)
+    if m0 >= seqlen_q:  # varlen: an entry of the grid past the last block
         return
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
