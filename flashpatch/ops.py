@@ -114,6 +114,11 @@ def _grid(heads: int, num_blocks: int, blocks_fastest: bool) -> tuple[int, ...]:
     return (heads * num_blocks,) if blocks_fastest else (heads, num_blocks)
 
 
+def _varlen_grid_blocks(cu_seqlens: torch.Tensor, rows: int, block: int) -> int:
+    """rows // block + batch: a bound on sum(ceil(length / block)) over the sequences, from shapes alone."""
+    return rows // block + cu_seqlens.numel() - 1
+
+
 def varlen_blocks(cu_seqlens: torch.Tensor, rows: int, block: int, heaviest_first: bool,
                   index_major: bool) -> torch.Tensor:
     """(2, n) int32: the (sequence, block) pairs of a varlen launch's grid (common.batch_head_and_block), which then
@@ -122,16 +127,15 @@ def varlen_blocks(cu_seqlens: torch.Tensor, rows: int, block: int, heaviest_firs
     them with work; the empty ones cost ~4 ns each of GPU time, NOTES.md v27), and it grows with the longest
     sequence times the batch.
 
-    n = rows // block + batch bounds the blocks that exist, sum of ceil(length / block), from shapes alone (no
-    host sync); the pairs past the last block name block ceil(length_0 / block) of sequence 0, which the kernels
-    skip. Order: heaviest_first runs each sequence's blocks from the last down (query blocks: under a causal mask
-    the last see the most keys), else from 0 up (key blocks: the first are seen by the most queries);
-    index_major sorts by that index, the sequences side by side within one index, which is how a
-    (batch x heads, blocks) grid ran them (so the longest sequences' heaviest blocks start first, wherever they
-    sit in the batch), else a sequence's blocks sit side by side, as they did in a 1-D grid. Computed on the
-    device once per cu_seqlens tensor (memo.once_per_tensor)."""
+    n = `_varlen_grid_blocks` bounds the blocks that exist from shapes alone (no host sync); the pairs past the
+    last block name block ceil(length_0 / block) of sequence 0, which the kernels skip. Order: heaviest_first
+    runs each sequence's blocks from the last down (query blocks: under a causal mask the last see the most keys),
+    else from 0 up (key blocks: the first are seen by the most queries); index_major sorts by that index, the
+    sequences side by side within one index, which is how a (batch x heads, blocks) grid ran them (so the longest
+    sequences' heaviest blocks start first, wherever they sit in the batch), else a sequence's blocks sit side by
+    side, as they did in a 1-D grid. Computed on the device once per cu_seqlens tensor (memo.once_per_tensor)."""
     batch = cu_seqlens.numel() - 1
-    count = rows // block + batch
+    count = _varlen_grid_blocks(cu_seqlens, rows, block)
 
     def compute():
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
@@ -164,7 +168,7 @@ def _launch_grid(heads: int, block: int, blocks_fastest: bool, cu_seqlens: Optio
     a 2-D grid becomes a 1-D one (common.head_and_block: a head's blocks side by side)."""
     if cu_seqlens is None:
         return _grid(batch * heads, triton.cdiv(max_seqlen, block), blocks_fastest), None, blocks_fastest
-    if not blocks_fastest and rows // block + cu_seqlens.numel() - 1 > _MAX_GRID_Y:
+    if not blocks_fastest and _varlen_grid_blocks(cu_seqlens, rows, block) > _MAX_GRID_Y:
         blocks_fastest = True
     blocks = varlen_blocks(cu_seqlens, rows, block, heaviest_first, index_major=not blocks_fastest)
     return _grid(heads, blocks.shape[1], blocks_fastest), blocks, blocks_fastest

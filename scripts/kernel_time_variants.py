@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flashpatch  # noqa: E402
 from flashpatch.kernels import config as kc  # noqa: E402
 from flashpatch.kernels.config import LaunchConfig as L  # noqa: E402
-from profile_kernels import compiled_stats, kernel_times  # noqa: E402
+from profile_kernels import compiled_stats, kernel_times, times_by_kind  # noqa: E402
 
 VARIANTS = [
     ("current", lambda c: {}),
@@ -93,13 +93,12 @@ def main():
             continue
         try:
             with kc.override(**make_fields(base)):
-                times = dict(kernel_times(step, iters=20))
+                times = kernel_times(step, iters=20)
         except Exception as err:  # noqa: BLE001 - a variant that does not build or fit is a result
             print(f"| {name} | failed: {type(err).__name__}: {str(err)[:120]} |||||", flush=True)
             continue
-        fwd, dkdv, dq = (sum(t for key, t in times.items() if key.startswith(kind)) or float("nan")
-                         for kind in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"))
-        total = sum(t for key, t in times.items() if key.startswith("attn_"))
+        fwd, dkdv, dq, total = (t or float("nan") for t in times_by_kind(
+            times, ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq", "attn_")).values())
         print(f"| {name} | {fwd:.3f} | {dkdv:.3f} | {dq:.3f} | {total:.3f} | {3.5 * fwd_flops / total * 1e-9:.0f} |",
               flush=True)
     print("\ncompiled flashpatch kernels:")

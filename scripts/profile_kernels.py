@@ -35,6 +35,12 @@ def kernel_times(step, iters=10):
     return sorted(totals.items(), key=lambda kv: -kv[1])
 
 
+def times_by_kind(times, kinds):
+    """{kind: ms} from kernel_times' (name, ms) pairs: the sum over the kernels whose name starts with each kind
+    (Triton and Gluon kernels of one kind together)."""
+    return {kind: sum(t for name, t in times if name.startswith(kind)) for kind in kinds}
+
+
 def compiled_stats():
     for fn in (forward.attn_fwd_kernel, backward.attn_bwd_dkdv_kernel, backward.attn_bwd_dq_kernel):
         for cache in getattr(fn, "device_caches", {}).values():

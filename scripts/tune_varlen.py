@@ -21,7 +21,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "recipes"), str(ROOT / "scripts")]  # runn
 import flashpatch  # noqa: E402
 from bench_attention import varlen_lengths  # noqa: E402
 from flashpatch.kernels import config as kc  # noqa: E402
-from profile_kernels import kernel_times  # noqa: E402
+from profile_kernels import kernel_times, times_by_kind  # noqa: E402
 
 # Each entry: (name, function of the current KernelConfigs giving the fields to override).
 VARIANTS = [
@@ -67,8 +67,7 @@ def main():
             bwd_ms = triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
                                              return_mode="median")
             times = kernel_times(lambda: torch.autograd.grad(attend(), (q, k, v), dout))
-        gpu = {kind: sum(t for key, t in times if key.startswith(kind)) for kind in
-               ("attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq")}
+        gpu = times_by_kind(times, ("attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"))
         print(f"{name:18s} fwd {fwd_ms:.3f} ms  bwd {bwd_ms:.3f} ms  total {fwd_ms + bwd_ms:.3f} ms  | GPU kernel ms: "
               + "  ".join(f"{kind[5:]} {t:.3f}" for kind, t in gpu.items()), flush=True)
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "recipes"), str(ROOT / "scripts")]  # runnable from a checkout, not installed
 import flashpatch  # noqa: E402
 from bench_attention import varlen_lengths  # noqa: E402
-from profile_kernels import kernel_times  # noqa: E402
+from profile_kernels import kernel_times, times_by_kind  # noqa: E402
 
 
 def main():
@@ -35,8 +35,7 @@ def main():
             torch.autograd.grad(out, (q, k, v), dout)
 
         times = kernel_times(step, iters=20)
-        per_kind = {kind: sum(t for key, t in times if key.startswith(kind))
-                    for kind in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")}
+        per_kind = times_by_kind(times, ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"))
         print(f"max_seqlen {max_seqlen}: " + "  ".join(f"{kind[5:]} {t:.3f} ms" for kind, t in per_kind.items()),
               flush=True)
 
