@@ -120,7 +120,7 @@ def _varlen_grid_blocks(cu_seqlens: torch.Tensor, rows: int, block: int) -> int:
 
 
 def varlen_blocks(cu_seqlens: torch.Tensor, rows: int, block: int, heaviest_first: bool,
-                  index_major: bool) -> torch.Tensor:
+                  longest_first: bool = True) -> torch.Tensor:
     """(2, n) int32: the (sequence, block) pairs of a varlen launch's grid (common.batch_head_and_block), which then
     holds nheads x n programs. A grid of batch x ceil(max_seqlen / block) blocks per head would be mostly empty
     programs on a batch of mixed lengths (64k tokens in 73 documents of 64..4096: 37k programs per kernel, 9k of
@@ -128,34 +128,37 @@ def varlen_blocks(cu_seqlens: torch.Tensor, rows: int, block: int, heaviest_firs
     sequence times the batch.
 
     n = `_varlen_grid_blocks` bounds the blocks that exist from shapes alone (no host sync); the pairs past the
-    last block name block ceil(length_0 / block) of sequence 0, which the kernels skip. Order: heaviest_first
-    runs each sequence's blocks from the last down (query blocks: under a causal mask the last see the most keys),
-    else from 0 up (key blocks: the first are seen by the most queries); index_major sorts by that index, the
-    sequences side by side within one index, which is how a (batch x heads, blocks) grid ran them (so the longest
-    sequences' heaviest blocks start first, wherever they sit in the batch), else a sequence's blocks sit side by
-    side, as they did in a 1-D grid. Computed on the device once per cu_seqlens tensor (memo.once_per_tensor)."""
+    last block name block ceil(length_0 / block) of sequence 0, which the kernels skip.
+
+    Order: a sequence's blocks side by side, so the programs in flight share its K/V (or Q/dO) in L2; sorting all
+    pairs by block index instead (the order of a (batch x heads, blocks) grid) made the varlen dQ 12% slower (NOTES.md
+    v28). Within a sequence, heaviest_first runs the blocks from the last down (query blocks: under a causal mask
+    the last see the most keys), else from 0 up (key blocks: the first are seen by the most queries). With
+    longest_first the sequences go longest first (ties in batch order), so the grid ends on short sequences' light
+    blocks instead of a long one's. Computed on the device once per cu_seqlens tensor (memo.once_per_tensor)."""
     batch = cu_seqlens.numel() - 1
     count = _varlen_grid_blocks(cu_seqlens, rows, block)
 
     def compute():
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         blocks = (lengths + block - 1) // block  # (batch,)
-        ends = blocks.cumsum(0)
+        if longest_first:
+            visit = torch.sort(blocks, descending=True, stable=True).indices  # (batch,): the sequences in grid order
+        else:
+            visit = torch.arange(batch, device=cu_seqlens.device)
+        visited_blocks = blocks[visit]
+        ends = visited_blocks.cumsum(0)
         index = torch.arange(count, device=cu_seqlens.device)
-        seq = torch.searchsorted(ends, index, right=True).clamp_(max=batch - 1)  # past the end: clamped, below
-        block_in_seq = index - (ends[seq] - blocks[seq])
+        slot = torch.searchsorted(ends, index, right=True).clamp_(max=batch - 1)  # past the end: clamped, below
+        block_in_seq = index - (ends[slot] - visited_blocks[slot])
         if heaviest_first:
-            block_in_seq = blocks[seq] - 1 - block_in_seq
+            block_in_seq = visited_blocks[slot] - 1 - block_in_seq
         past_end = index >= ends[-1]
-        if index_major:
-            order_key = torch.where(past_end, 2**40, -block_in_seq if heaviest_first else block_in_seq)
-            order = torch.sort(order_key, stable=True).indices  # by block index, then sequence; past the end last
-            seq, block_in_seq, past_end = seq[order], block_in_seq[order], past_end[order]
-        seq = seq.masked_fill(past_end, 0)
+        seq = visit[slot].masked_fill(past_end, 0)
         block_in_seq = torch.where(past_end, blocks[0], block_in_seq)
         return torch.stack([seq, block_in_seq]).to(torch.int32)
 
-    return once_per_tensor(cu_seqlens, ("varlen_blocks", rows, block, heaviest_first, index_major), compute)
+    return once_per_tensor(cu_seqlens, ("varlen_blocks", rows, block, heaviest_first, longest_first), compute)
 
 
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
@@ -170,7 +173,7 @@ def _launch_grid(heads: int, block: int, blocks_fastest: bool, cu_seqlens: Optio
         return _grid(batch * heads, triton.cdiv(max_seqlen, block), blocks_fastest), None, blocks_fastest
     if not blocks_fastest and _varlen_grid_blocks(cu_seqlens, rows, block) > _MAX_GRID_Y:
         blocks_fastest = True
-    blocks = varlen_blocks(cu_seqlens, rows, block, heaviest_first, index_major=not blocks_fastest)
+    blocks = varlen_blocks(cu_seqlens, rows, block, heaviest_first, kernel_config.VARLEN_LONGEST_FIRST)
     return _grid(heads, blocks.shape[1], blocks_fastest), blocks, blocks_fastest
 
 
@@ -191,6 +194,13 @@ def _even(enabled: bool, varlen: bool, headdim: int, *length_and_tile: int) -> b
     pairs = zip(length_and_tile[::2], length_and_tile[1::2])
     return (enabled and not varlen and headdim == triton.next_power_of_2(headdim)
             and all(length % tile == 0 for length, tile in pairs))
+
+
+def _even_interior(enabled: bool, headdim: int) -> bool:
+    """The fully visible blocks between the mask edges (common.key_block_range, query_block_range) always lie
+    inside the sequence, so their loads need a mask only for padded head-dim columns (NOTES.md v28: ragged and
+    varlen rows keep the masks on their edge blocks alone)."""
+    return enabled and headdim == triton.next_power_of_2(headdim)
 
 
 def _aligned(varlen: bool, headdim: int, max_seqlen_q: int, max_seqlen_k: int) -> bool:
@@ -277,6 +287,7 @@ def attn_fwd_impl(
         TMA=tma, BLOCKS_FASTEST=blocks_fastest,
         HEAD_GROUP=_head_group(cfg, varlen, window_left, window_right, max_seqlen_q, q.device),
         EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, cfg.block_n),
+        EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
@@ -370,7 +381,8 @@ def attn_bwd_impl(
             HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq,
             TMA=tma_dkdv, BLOCKS_FASTEST=blocks_fastest,
             HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_k, q.device, by_keys=True),
-            EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_q, c.block_m), DP_FIRST=c.dp_first, **flags,
+            EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_q, c.block_m),
+            EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim), DP_FIRST=c.dp_first, **flags,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
     if atomic_dq:
@@ -395,6 +407,7 @@ def attn_bwd_impl(
             BLOCKS_FASTEST=blocks_fastest,
             HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_q, q.device),
             EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, c.block_n),
+            EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim),
             **flags,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )

@@ -64,10 +64,11 @@ def feature_constexprs(headdim, varlen=False, left=False, right=False, softcap=F
                 DOT_PRECISION="tf32", HEADDIM=headdim, BLOCK_D=triton.next_power_of_2(headdim))
 
 
-def launch_constexprs(fn, cfg, even):
+def launch_constexprs(fn, cfg, even, even_interior=True):
     """The constexprs one LaunchConfig sets for kernel fn, as ops.attn_fwd / attn_bwd pass them."""
     launch = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "TMA": cfg.tma, "BLOCKS_FASTEST": cfg.blocks_fastest,
-              "HEAD_GROUP": 4 if cfg.blocks_fastest else 1, "EVEN": even}  # 4: the grouped grid order
+              "HEAD_GROUP": 4 if cfg.blocks_fastest else 1,  # 4: the grouped grid order
+              "EVEN": even, "EVEN_INTERIOR": even_interior}
     if fn is attn_bwd_dkdv_kernel:
         launch["DP_FIRST"] = cfg.dp_first
     return launch
@@ -115,7 +116,7 @@ def main():
     fp32 = dict(IS_VARLEN=False, HAS_LEFT=True, HAS_RIGHT=True, SOFTCAP=True, DROPOUT=True, DOT_PRECISION="ieee",
                 HEADDIM=40, BLOCK_D=64)
     compile_one(attn_fwd_kernel, "fp32", {**fp32, "BLOCK_M": 64, "BLOCK_N": 32, "TMA": False, "BLOCKS_FASTEST": False,
-                                          "HEAD_GROUP": 1, "EVEN": False},
+                                          "HEAD_GROUP": 1, "EVEN": False, "EVEN_INTERIOR": False},
                 args.arch)
     print(f"compiled {n + 2} kernel variants for sm_{args.arch}, each within {SHARED_MEMORY_LIMIT} bytes of "
           "shared memory")

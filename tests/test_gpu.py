@@ -31,6 +31,9 @@ GRID = [
     (3, 777, 777, 4, 4, 64, {"dropout_p": 0.1, "causal": True}),
     (2, 1024, 1024, 8, 2, 128, {"dropout_p": 0.1}),  # unmasked d128 dropout: its own forward tile (shared memory)
     (1, 1000, 1531, 4, 4, 96, {"dropout_p": 0.2, "window_size": (255, 64)}),
+    # ragged d128 rows: bounds masks on the edge blocks only (v28), the 64 x 128 dK/dV tile, pointer dQ
+    (2, 1000, 1000, 4, 4, 128, {"causal": True}),
+    (2, 1000, 1000, 4, 4, 128, {"dropout_p": 0.1, "causal": True}),  # atomic dQ
 ]
 
 
@@ -163,14 +166,15 @@ def test_misaligned_layout_falls_back_to_pointer_tiles_bf16():
     check_against_reference(out, grads, q, k, v, dout)
 
 
-def test_varlen_realistic_mix_bf16():
+@pytest.mark.parametrize("nheads_k", [2, 8])  # config.py: GQA keeps the 32-query dK/dV tile on varlen batches
+def test_varlen_realistic_mix_bf16(nheads_k):
     gen = torch.Generator().manual_seed(0)
     lengths = torch.exp(torch.empty(24).uniform_(4.2, 8.3, generator=gen)).long().tolist()  # ~64 .. ~4000
     lengths[3] = 0
     total = sum(lengths)
     q = torch.randn(total, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(total, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(total, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(total, nheads_k, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(total, nheads_k, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     cu = cu_seqlens_from_lengths(torch.tensor(lengths, device="cuda"))
     out = flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
     dout = torch.randn_like(out)

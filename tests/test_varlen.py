@@ -48,23 +48,20 @@ def test_varlen_matches_per_sequence_reference(lengths_q, lengths_k, nheads, nhe
 
 
 @pytest.mark.parametrize("heaviest_first", [False, True])
-@pytest.mark.parametrize("index_major", [False, True])
-def test_varlen_grid_lists_every_block_once(heaviest_first, index_major):
+@pytest.mark.parametrize("longest_first", [False, True])
+def test_varlen_grid_lists_every_block_once(heaviest_first, longest_first):
     """ops.varlen_blocks: the varlen grid's (sequence, block) pairs are each block of each sequence exactly once,
-    descending within a sequence when heaviest_first, sorted by that index first when index_major (sequences in
-    order within one index), else sequence by sequence; every other entry names a block past the end of
+    a sequence's blocks side by side, descending within it when heaviest_first; the sequences longest first (ties
+    in batch order) when longest_first, else in batch order; every other entry names a block past the end of
     sequence 0, which the kernels skip."""
     lengths, block = [0, 5, 33, 1, 64, 0, 16], 16
     cu = flashpatch.padding.cu_seqlens_from_lengths(torch.tensor(lengths))
-    pairs = flashpatch.ops.varlen_blocks(cu, sum(lengths), block, heaviest_first, index_major)
+    pairs = flashpatch.ops.varlen_blocks(cu, sum(lengths), block, heaviest_first, longest_first)
     assert pairs.dtype == torch.int32 and pairs.shape == (2, sum(lengths) // block + len(lengths))
-    counts = [-(-n // block) for n in lengths]
-    indices = range(max(counts))
-    indices = list(reversed(indices) if heaviest_first else indices)
-    if index_major:
-        expected = [(seq, b) for b in indices for seq, count in enumerate(counts) if b < count]
-    else:
-        expected = [(seq, b) for seq, count in enumerate(counts) for b in indices if b < count]
+    counts = [-(-n // block) for n in lengths]  # [0, 1, 3, 1, 4, 0, 1]
+    visit = [4, 2, 1, 3, 6, 0, 5] if longest_first else range(len(lengths))
+    expected = [(seq, b) for seq in visit
+                for b in (reversed(range(counts[seq])) if heaviest_first else range(counts[seq]))]
     listed = [tuple(p) for p in pairs.t().tolist()]
     assert listed[: len(expected)] == expected
     assert all(p == (0, 0) for p in listed[len(expected):])  # sequence 0 is empty: block 0 is past its end

@@ -142,7 +142,7 @@ def attn_bwd_dkdv_kernel(
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr, BLOCKS_FASTEST: tl.constexpr, HEAD_GROUP: tl.constexpr, EVEN: tl.constexpr,
-    DP_FIRST: tl.constexpr,
+    EVEN_INTERIOR: tl.constexpr, DP_FIRST: tl.constexpr,
 ):
     off_b, off_hk, pid_n = batch_head_and_block(VARLEN_BLOCKS, nheads_k, tl.cdiv(max_seqlen_k, BLOCK_N),
                                                 BLOCKS_FASTEST, HEAD_GROUP, IS_VARLEN)
@@ -177,6 +177,7 @@ def attn_bwd_dkdv_kernel(
 
     lo, full_lo, full_hi, hi = query_block_range(
         n0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    # The middle range lies inside the sequence: its loads skip the bounds masks when EVEN_INTERIOR.
     for g in range(0, group_size):
         off_h = off_hk * group_size + g
         q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh
@@ -212,7 +213,7 @@ def attn_bwd_dkdv_kernel(
             offs_n, n0, offs_d, full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right,
             qk_scale, cap_log2, softmax_scale, seed, offset, drop_head_rows, max_seqlen_k, dropout_p,
             HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION,
-            TMA, EVEN, DP_FIRST)
+            TMA, EVEN_INTERIOR, DP_FIRST)
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptrs, delta_ptrs,
             stride_qs, stride_dos, stride_dqs,
@@ -290,7 +291,7 @@ def attn_bwd_dq_kernel(
     HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    BLOCKS_FASTEST: tl.constexpr, HEAD_GROUP: tl.constexpr, EVEN: tl.constexpr,
+    BLOCKS_FASTEST: tl.constexpr, HEAD_GROUP: tl.constexpr, EVEN: tl.constexpr, EVEN_INTERIOR: tl.constexpr,
 ):
     off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, m0 = query_block_program(
         CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS, nheads, group_size, max_seqlen_q, max_seqlen_k, BLOCK_M,
@@ -341,7 +342,7 @@ def attn_bwd_dq_kernel(
     dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d,
                    full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset,
                    drop_rows, max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
-                   SOFTCAP, DROPOUT, DOT_PRECISION, TMA, EVEN)
+                   SOFTCAP, DROPOUT, DOT_PRECISION, TMA, EVEN_INTERIOR)
     dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d,
                    full_hi, hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset,
                    drop_rows,

@@ -115,7 +115,8 @@ def key_block_range(
 ):
     """For the query block [m0, m0 + BLOCK_M): key-block starts split as
     [lo, full_lo) masked | [full_lo, full_hi) fully visible, no mask needed | [full_hi, hi) masked.
-    All four are multiples of BLOCK_N; blocks outside [lo, hi) see nothing and are skipped."""
+    All four are multiples of BLOCK_N; blocks outside [lo, hi) see nothing and are skipped. Fully visible blocks
+    end at or before seqlen_k (full_hi <= seqlen_k // BLOCK_N * BLOCK_N), so their loads need no bounds masks."""
     diag = seqlen_k - seqlen_q
     lo = m0 * 0  # a run-time int32 from the start, so every branch below assigns one type
     hi = lo + seqlen_k
@@ -140,7 +141,8 @@ def query_block_range(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
 ):
     """For the key block [n0, n0 + BLOCK_N): query-block starts split as in `key_block_range`
-    (masked | fully visible | masked), all multiples of BLOCK_M."""
+    (masked | fully visible | masked), all multiples of BLOCK_M. Fully visible blocks end at or before seqlen_q,
+    and a key block that is cut by seqlen_k has none."""
     diag = seqlen_k - seqlen_q
     lo = n0 * 0
     hi = lo + seqlen_q

@@ -32,7 +32,9 @@ class KernelConfigs:
     bwd_dkdv: LaunchConfig  # block_n keys per program, block_m queries per inner step
     bwd_dq: LaunchConfig
     atomic_dq: bool  # accumulate dQ inside the dK/dV kernel (not deterministic) instead of a separate dQ pass
-    even_tiles: bool = True  # inner-loop loads without bounds masks when the lengths divide the tiles (ops._even)
+    # inner-loop loads without bounds masks: everywhere when the lengths divide the tiles (ops._even), else between
+    # the mask edges (ops._even_interior)
+    even_tiles: bool = True
     # The warp-specialized Gluon dK/dV kernel (kernels/hopper_dkdv.py) wherever it applies (its `supported`: sm_90,
     # dense rows dividing its tiles, causal or unmasked, no dropout or softcap); the Triton kernel elsewhere.
     # Round 17 (NOTES.md v19): d128 dK/dV 13-21% faster; at d64 it wins on long causal rows only (n8192 -6%, but
@@ -119,8 +121,12 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
         # Round 3, n8192 backward: causal 288 TFLOP/s (was 257). Round 10: dQ through TMA, 295 / 321 -> 299 / 324
         # (n4096 / n8192; within noise, kept as it never lost). Round 11 (tune_round11.json): FlexAttention's sm90
         # dK/dV tile, 64 queries x 128 keys, 8 warps, 3 stages, pointer loads: 294 / 318 -> 324 / 355 when
-        # aligned. It spilled here before the unmasked loads of round 8 (v10), and with bounds masks it still
-        # loses (varlen mix: backward 6.24 -> 7.57 ms), as it does without a causal mask (376 -> 352).
+        # aligned. It spilled here before the unmasked loads of round 8 (v10), and on the varlen mix, whose loads
+        # all kept their bounds masks, it lost (backward 6.24 -> 7.57 ms) until v28 dropped the masks between the
+        # mask edges: then it won there too (H100, GPU kernel time, dK/dV 3.49 -> 3.14 ms), except with GQA 16/4,
+        # where the 32-query tile stays ahead (2.97 against 2.67-2.70 ms; the group loop holds more registers).
+        # Without a causal mask it loses (376 -> 352). v28 also turned the varlen dQ to pointer loads, now 5% ahead
+        # of TMA there (1.79 -> 1.70 ms).
         # Round 14 (kernel_time_round14.log, GPU kernel time): at the 1B training recipe's shape (batch 8, 16
         # query / 4 K/V heads, n1024, causal) the forward with 64 x 64 tiles and 4 warps takes 0.119 ms against
         # 0.129 (presumably as twice the programs spread better over 132 SMs); at n4096 it loses
@@ -129,8 +135,8 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
         cfg = KernelConfigs(
             fwd=(LaunchConfig(64, 64, num_warps=4, num_stages=3, blocks_fastest=True) if short_fwd
                  else LaunchConfig(128, 64, num_warps=8, num_stages=3, blocks_fastest=True)),
-            bwd_dkdv=LaunchConfig(64 if aligned else 32, 128, num_warps=8, num_stages=3),
-            bwd_dq=LaunchConfig(128, 64, num_warps=8, num_stages=3, tma=True),
+            bwd_dkdv=LaunchConfig(64 if aligned or not grouped else 32, 128, num_warps=8, num_stages=3),
+            bwd_dq=LaunchConfig(128, 64, num_warps=8, num_stages=3, tma=aligned),
             atomic_dq=dropout and not grouped,  # round 15: see the docstring
             gluon_dkdv=True,
             gluon_fwd=True,
@@ -175,6 +181,10 @@ def override(**fields):
     finally:
         _OVERRIDE = previous
 
+
+# The order of a varlen grid's sequences (ops.varlen_blocks): longest first, or in batch order
+# (scripts/varlen_kernel_times.py --batch-order times the latter).
+VARLEN_LONGEST_FIRST = True
 
 # scripts/gluon_check.py sets this to time other grid orders (`head_group`)
 HEAD_GROUP_OVERRIDE: int | None = None
