@@ -188,19 +188,19 @@ def _head_group(cfg: kernel_config.LaunchConfig, varlen: bool, window_left: int,
                                     device)
 
 
-def _even(enabled: bool, varlen: bool, headdim: int, *length_and_tile: int) -> bool:
-    """Every inner-loop tile lies in bounds: dense (varlen sequences end anywhere), the head dim is a power of two
-    (no padded columns), and each (length, tile) pair divides."""
-    pairs = zip(length_and_tile[::2], length_and_tile[1::2])
-    return (enabled and not varlen and headdim == triton.next_power_of_2(headdim)
-            and all(length % tile == 0 for length, tile in pairs))
-
-
 def _even_interior(enabled: bool, headdim: int) -> bool:
     """The fully visible blocks between the mask edges (common.key_block_range, query_block_range) always lie
     inside the sequence, so their loads need a mask only for padded head-dim columns (NOTES.md v28: ragged and
     varlen rows keep the masks on their edge blocks alone)."""
     return enabled and headdim == triton.next_power_of_2(headdim)
+
+
+def _even(enabled: bool, varlen: bool, headdim: int, *length_and_tile: int) -> bool:
+    """Every inner-loop tile lies in bounds: `_even_interior`, and the batch is dense (varlen sequences end
+    anywhere) with each (length, tile) pair dividing."""
+    pairs = zip(length_and_tile[::2], length_and_tile[1::2])
+    return (_even_interior(enabled, headdim) and not varlen
+            and all(length % tile == 0 for length, tile in pairs))
 
 
 def _aligned(varlen: bool, headdim: int, max_seqlen_q: int, max_seqlen_k: int) -> bool:

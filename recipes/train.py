@@ -84,6 +84,11 @@ class HubTokenizer:
         return np.asarray(ids[:max_length] if max_length else ids, dtype=np.int64)
 
 
+def make_tokenizer(cfg: TrainConfig, corpus):
+    """The model's own tokenizer for `model` runs, else the corpus's byte tokenizer."""
+    return HubTokenizer(cfg.model) if cfg.model else corpus.ByteTokenizer()
+
+
 def build_model(cfg: TrainConfig, attn: str, tokenizer, device: torch.device):
     """The model for one implementation; torch.manual_seed first, so every implementation starts from the same init."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -123,18 +128,11 @@ def _sync(device: torch.device):
         torch.cuda.synchronize(device)
 
 
-def train_one(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer) -> dict:
-    """Warm-up + measured steps for one implementation; returns this rank's raw measurements."""
-    from tqdm.auto import tqdm
-
-    device = accelerator.device
-    model = build_model(cfg, "fpatch" if impl == "fpatch" else impl, tokenizer, device)
+def build_training(impl: str, cfg: TrainConfig, accelerator, tokenizer):
+    """(model, optimizer, scheduler) for one implementation, prepared by accelerate and in train mode."""
+    model = build_model(cfg, "fpatch" if impl == "fpatch" else impl, tokenizer, accelerator.device)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    n_matmul = measure.matmul_params(model)
-    mcfg = model.config
-    head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
-    attn_width = mcfg.num_attention_heads * head_dim  # query heads x head dim: the width of QKᵀ and PV
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     # Linear learning-rate warm-up over the (unmeasured) warm-up steps, then constant: random-init models in bf16
     # spike without it, and a spike makes the loss curves useless for comparing implementations.
@@ -143,26 +141,48 @@ def train_one(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer) -> d
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / ramp))
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
+    return model, optimizer, scheduler
+
+
+def device_inputs(impl: str, cfg: TrainConfig, batch: dict, device: torch.device) -> dict:
+    """The model's inputs for one batch, on the device. "unpadded": flashpatch gets each padded batch as one row of
+    real tokens with varlen kwargs; the others run the padded batch. Both losses cover the same tokens."""
+    if cfg.data_mode == "unpadded" and impl == "fpatch":
+        batch = import_corpus().flatten_padded_batch(batch)
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def train_step(model, optimizer, scheduler, accelerator, cfg: TrainConfig, batch_dev: dict) -> torch.Tensor:
+    """One optimizer step on one batch; returns the loss."""
+    loss = model(**batch_dev, use_cache=False).loss
+    accelerator.backward(loss)
+    if cfg.max_grad_norm > 0:
+        accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def train_one(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer) -> dict:
+    """Warm-up + measured steps for one implementation; returns this rank's raw measurements."""
+    from tqdm.auto import tqdm
+
+    device = accelerator.device
+    model, optimizer, scheduler = build_training(impl, cfg, accelerator, tokenizer)
+    n_matmul = measure.matmul_params(model)
+    mcfg = model.config
+    head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
+    attn_width = mcfg.num_attention_heads * head_dim  # query heads x head dim: the width of QKᵀ and PV
 
     raw = {"losses": [], "step_times": [], "tokens": 0, "padded_tokens": 0, "flops": 0.0, "rss": []}
     total = cfg.warmup_steps + cfg.steps
     bar = tqdm(total=total, desc=impl, disable=not accelerator.is_local_main_process, dynamic_ncols=True)
-    # "unpadded": flashpatch gets each padded batch as one row of real tokens with varlen kwargs (made before the
-    # clock starts, like any collator's work); the others run the padded batch. Both losses cover the same tokens.
-    flatten = cfg.data_mode == "unpadded" and impl == "fpatch"
-    flatten_padded_batch = import_corpus().flatten_padded_batch
-    model_inputs = (lambda b: flatten_padded_batch(b).items()) if flatten else (lambda b: b.items())
     for step, batch in enumerate(batches):
-        batch_dev = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in model_inputs(batch)}
+        batch_dev = device_inputs(impl, cfg, batch, device)  # made before the clock starts, like a collator's work
         _sync(device)
         start = time.perf_counter()
-        loss = model(**batch_dev, use_cache=False).loss
-        accelerator.backward(loss)
-        if cfg.max_grad_norm > 0:
-            accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = train_step(model, optimizer, scheduler, accelerator, cfg, batch_dev)
         _sync(device)
         elapsed = time.perf_counter() - start
 
@@ -286,6 +306,26 @@ def environment(accelerator, flashpatch, fp_error, cfg: TrainConfig) -> dict:
     }
 
 
+def recipe_batches(cfg: TrainConfig, accelerator, corpus, tokenizer, num_batches: int):
+    """(dataset, batches): the recipe's corpus and its first num_batches batches. The same batches serve every
+    implementation, made once (data time stays out of the step time); each rank draws its own stream so
+    data-parallel ranks see different documents."""
+    source_kwargs = {}
+    if cfg.dataset == "stdlib":
+        source_kwargs = {"max_bytes": cfg.corpus_max_bytes, "max_file_bytes": cfg.corpus_max_file_bytes or None}
+    dataset = corpus.load_corpus(cfg.dataset, **source_kwargs)
+    stream = corpus.make_batches(
+        dataset,
+        cfg.data_mode,
+        cfg.seq_len,
+        cfg.batch_size,
+        seed=cfg.seed * 1000 + accelerator.process_index,
+        tokenizer=tokenizer,
+        num_batches=num_batches,
+    )
+    return dataset, list(stream)
+
+
 def main(argv: list[str] | None = None) -> dict:
     from accelerate import Accelerator
 
@@ -294,23 +334,8 @@ def main(argv: list[str] | None = None) -> dict:
     flashpatch, fp_error = import_flashpatch()
     corpus = import_corpus()
 
-    tokenizer = HubTokenizer(cfg.model) if cfg.model else corpus.ByteTokenizer()
-    source_kwargs = {}
-    if cfg.dataset == "stdlib":
-        source_kwargs = {"max_bytes": cfg.corpus_max_bytes, "max_file_bytes": cfg.corpus_max_file_bytes or None}
-    dataset = corpus.load_corpus(cfg.dataset, **source_kwargs)
-    # The same batches for every implementation, made once (data time stays out of the step time); each rank
-    # draws its own stream so data-parallel ranks see different documents.
-    stream = corpus.make_batches(
-        dataset,
-        cfg.data_mode,
-        cfg.seq_len,
-        cfg.batch_size,
-        seed=cfg.seed * 1000 + accelerator.process_index,
-        tokenizer=tokenizer,
-        num_batches=cfg.warmup_steps + cfg.steps,
-    )
-    batches = list(stream)
+    tokenizer = make_tokenizer(cfg, corpus)
+    dataset, batches = recipe_batches(cfg, accelerator, corpus, tokenizer, cfg.warmup_steps + cfg.steps)
 
     results = []
     for impl in cfg.implementations:

@@ -7,7 +7,8 @@ the padded-real-lengths run moved +0.3% when its varlen kernels got 17-19% faste
 
 Every other option is recipes/train.py's (--config plus field overrides; the batches are the recipe's). --tree
 imports flashpatch from an older package (`git archive <commit> flashpatch | tar -x -C runs/trees/<name>`), so two
-versions can be profiled on one GPU in one call. On a machine without CUDA it profiles the host ops instead.
+versions can be profiled on one GPU in one call. On a machine without CUDA it profiles the host ops instead
+(flashpatch's kernels in the Triton interpreter).
 """
 
 import argparse
@@ -41,14 +42,12 @@ def main():
     parser.add_argument("--profile_steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=15)
     args, train_argv = parser.parse_known_args()
-    sys.path.insert(0, str(Path(args.tree).resolve()))
-    import flashpatch  # the tree's package first: train.py then finds it imported
-    sys.path[1:1] = [str(ROOT / "recipes")]
+    sys.path[:0] = [str(Path(args.tree).resolve()), str(ROOT / "recipes")]  # the tree's flashpatch first
+    import train  # without CUDA it sets TRITON_INTERPRET before flashpatch defines its kernels
+    import flashpatch
     import torch
     from accelerate import Accelerator
     from torch.profiler import ProfilerActivity, profile
-
-    import train
     from train_config import parse_config
 
     cfg = parse_config(train_argv)
@@ -59,28 +58,12 @@ def main():
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision or None)
     device = accelerator.device
     corpus = train.import_corpus()
-    tokenizer = corpus.ByteTokenizer()
-    source_kwargs = {}
-    if cfg.dataset == "stdlib":
-        source_kwargs = {"max_bytes": cfg.corpus_max_bytes, "max_file_bytes": cfg.corpus_max_file_bytes or None}
-    dataset = corpus.load_corpus(cfg.dataset, **source_kwargs)
-    batches = list(corpus.make_batches(dataset, cfg.data_mode, cfg.seq_len, cfg.batch_size, seed=cfg.seed * 1000,
-                                       tokenizer=tokenizer, num_batches=cfg.warmup_steps + args.profile_steps))
-    model = train.build_model(cfg, impl, tokenizer, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    model.train()
-    flatten = cfg.data_mode == "unpadded" and impl == "fpatch"  # as train.train_one feeds each implementation
+    tokenizer = train.make_tokenizer(cfg, corpus)
+    _, batches = train.recipe_batches(cfg, accelerator, corpus, tokenizer, cfg.warmup_steps + args.profile_steps)
+    model, optimizer, scheduler = train.build_training(impl, cfg, accelerator, tokenizer)
 
-    def step(batch):
-        inputs = corpus.flatten_padded_batch(batch) if flatten else batch
-        inputs = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in inputs.items()}
-        loss = model(**inputs, use_cache=False).loss
-        accelerator.backward(loss)
-        if cfg.max_grad_norm > 0:
-            accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    def step(batch):  # as train.train_one runs it, without the clock
+        train.train_step(model, optimizer, scheduler, accelerator, cfg, train.device_inputs(impl, cfg, batch, device))
 
     for batch in batches[: cfg.warmup_steps]:
         step(batch)

@@ -11,7 +11,9 @@ causal, bf16, d128, 16 query heads; --kv-heads 4 for the 1B recipe's GQA). --mas
 """
 
 import argparse
+import contextlib
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,8 +34,6 @@ def main():
     sys.path.insert(0, str(Path(args.tree).resolve()))
     import flashpatch  # the tree's package first: profile_kernels and bench_attention then find it imported
     sys.path[1:1] = [str(ROOT / "recipes"), str(ROOT / "scripts")]
-    import contextlib
-
     import torch
     from bench_attention import varlen_lengths
     from profile_kernels import kernel_times, times_by_kind
@@ -52,14 +52,12 @@ def main():
                                                 causal=True)
         torch.autograd.grad(out, (q, k, v), dout)
 
-    from dataclasses import replace
-
     from flashpatch.kernels import config
     current = config.configs_for(headdim, True, masked=True, grouped=args.kv_heads != nheads)  # as ops picks
     fields = {}  # the checkout's settings unless a flag names one (older trees may lack the newer fields)
     if args.masked_loads:
         fields["even_tiles"] = False
-    if args.dkdv_block_m:
+    if args.dkdv_block_m is not None:
         fields["bwd_dkdv"] = replace(current.bwd_dkdv, block_m=args.dkdv_block_m)
     if args.dq_tma is not None:
         fields["bwd_dq"] = replace(current.bwd_dq, tma=bool(args.dq_tma))
