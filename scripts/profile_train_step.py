@@ -12,9 +12,14 @@ versions can be profiled on one GPU in one call. On a machine without CUDA it pr
 """
 
 import argparse
+import json
 import sys
+import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,6 +31,12 @@ KINDS = (
     ("copy / pad", ("copy", "cat", "index", "gather", "scatter", "pad", "fill")),
     ("optimizer", ("adam", "foreach", "multi_tensor")),
 )
+
+# What waits for the GPU: CUDA runtime calls; without a GPU, the host ops that would (.item(), nonzero). AdamW's
+# .item() on its step counts, which live on the host, shows in the second list but never waits.
+SYNC_FRAGMENTS = {True: ("Synchronize", "cudaMemcpy"), False: ("_local_scalar_dense", "aten::nonzero")}
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")  # the Chrome trace's categories of work on the GPU
+GAP_US = 2.0  # back-to-back launches leave about 1-2 us between kernels
 
 
 def kind_of(name: str) -> str:
@@ -45,7 +56,6 @@ def main():
     sys.path[:0] = [str(Path(args.tree).resolve()), str(ROOT / "recipes")]  # the tree's flashpatch first
     import train  # without CUDA it sets TRITON_INTERPRET before flashpatch defines its kernels
     import flashpatch
-    import torch
     from accelerate import Accelerator
     from torch.profiler import ProfilerActivity, profile
     from train_config import parse_config
@@ -68,8 +78,13 @@ def main():
     for batch in batches[: cfg.warmup_steps]:
         step(batch)
     cuda = device.type == "cuda"
-    if cuda:
+    if cuda:  # wall time of the same steps without the profiler: kernel time below it is time the GPU sat idle
         torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for batch in batches[cfg.warmup_steps:]:
+            step(batch)
+        torch.cuda.synchronize(device)
+        wall_ms = (time.perf_counter() - start) * 1000.0 / args.profile_steps
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         for batch in batches[cfg.warmup_steps:]:
@@ -80,8 +95,8 @@ def main():
     per_kernel = defaultdict(float)  # ms per step
     steps = len(batches) - cfg.warmup_steps
     for event in prof.events():
-        on_device = event.device_type == torch.autograd.DeviceType.CUDA
-        if on_device == cuda:  # kernels on a GPU; host ops (self time) without one
+        on_host = event.device_type != torch.autograd.DeviceType.CUDA
+        if is_kernel(event) if cuda else on_host:  # kernels on a GPU; host ops (self time) without one
             time_us = event.device_time if cuda else event.self_cpu_time_total
             per_kernel[event.name] += time_us / steps / 1000.0
     by_kind = defaultdict(float)
@@ -89,13 +104,80 @@ def main():
         by_kind[kind_of(name)] += ms
     total = sum(by_kind.values())
     what = "GPU kernel time" if cuda else "host self time"
-    print(f"{impl}, {cfg.name}, {steps} steps: {what} {total:.1f} ms per step", flush=True)
+    wall = f" (wall {wall_ms:.1f} ms per step unprofiled)" if cuda else ""
+    print(f"{impl}, {cfg.name}, {steps} steps: {what} {total:.1f} ms per step{wall}", flush=True)
     for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:12s} {ms:9.2f} ms  {100 * ms / total:5.1f}%")
+    # Host syncs: each drains the GPU's queue, and the GPU then idles while the host launches the next kernels.
+    syncs = defaultdict(int)
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA and any(
+            fragment in event.name for fragment in SYNC_FRAGMENTS[cuda]
+        ):
+            syncs[event.name] += 1
+    print("host syncs per step: " + (", ".join(f"{n} {c / steps:g}" for n, c in sorted(syncs.items())) or "none"))
     print(f"top {args.top} {'kernels' if cuda else 'ops'}:")
     for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"  {ms:9.3f} ms  [{kind_of(name)}] {name[:110]}")
+    if cuda:
+        report_idle(prof, steps, args.top)
 
+
+def is_kernel(event) -> bool:
+    """A GPU kernel or copy, not a record_function span the profiler also draws on the GPU (Optimizer.step#...)."""
+    return event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+
+
+def report_idle(prof, steps: int, top: int) -> None:
+    """Where the GPU sat idle, from the profile's Chrome trace: each gap between kernels longer than GAP_US, by the
+    host op that launched the kernel after it. A gap whose kernel the host launched after the GPU had gone idle is
+    host-bound: the host was busy in that op (its outermost and innermost names are shown); the others waited on
+    something else (a copy from pageable memory, an event)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    device = sorted((e for e in events if e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ops_by_thread = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            ops_by_thread[e["tid"]].append(e)
+    for ops in ops_by_thread.values():
+        ops.sort(key=lambda e: (e["ts"], -e["dur"]))
+
+    def host_op(launch) -> str:
+        around = [e for e in ops_by_thread.get(launch["tid"], ())
+                  if e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]]  # outermost first
+        if not around:
+            return "?"
+        names = list(dict.fromkeys([around[0]["name"], around[-1]["name"]]))
+        return " > ".join(names)
+
+    idle = defaultdict(float)  # (host-bound?, op) -> us
+    gaps = []
+    busy_until = device[0]["ts"] + device[0]["dur"] if device else 0.0
+    for kernel in device[1:]:
+        gap = kernel["ts"] - busy_until
+        if gap > GAP_US:
+            launch = launches.get(kernel.get("args", {}).get("correlation"))
+            bound = launch is not None and launch["ts"] > busy_until
+            op = host_op(launch) if launch else "?"
+            idle[(bound, op)] += gap
+            gaps.append((gap, bound, kernel["name"], op))
+        busy_until = max(busy_until, kernel["ts"] + kernel["dur"])
+    total = sum(idle.values()) / steps / 1000.0
+    bound_ms = sum(us for (bound, _), us in idle.items() if bound) / steps / 1000.0
+    span = (busy_until - device[0]["ts"]) / steps / 1000.0 if device else 0.0
+    print(f"GPU span (first kernel's start to last kernel's end) {span:.1f} ms per step under the profiler")
+    print(f"GPU idle in gaps over {GAP_US:g} us: {total:.1f} ms per step, {bound_ms:.1f} of it host-bound "
+          "(the kernel after the gap launched once the GPU had gone idle); by the op launching that kernel:")
+    for (bound, op), us in sorted(idle.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {us / steps / 1000.0:8.2f} ms  {'host ' if bound else 'wait '} {op[:120]}")
+    print("largest gaps:")
+    for gap, bound, name, op in sorted(gaps, key=lambda g: -g[0])[:top]:
+        print(f"  {gap / 1000.0:8.2f} ms  {'host ' if bound else 'wait '} before {name[:40]}  ({op[:80]})")
 
 if __name__ == "__main__":
     main()

@@ -1,10 +1,10 @@
 """Time launch configurations on a varlen batch, whose loads keep their bounds masks (ops._even is False), so a
 tile that wins on dense rows can lose here; scripts/tune_kernels.py times dense rows only.
 
-    python scripts/tune_varlen.py [--headdim 64]      (CUDA GPU)
+    python scripts/tune_varlen.py [--headdim 64] [--kv-heads 4] [--lengths 4096,4096,2551,4096]      (CUDA GPU)
 
-The batch is recipes/bench_attention.py's: document lengths log-uniform in 64..4096, 64k tokens, causal, bf16,
-H*D = 2048. Prints forward and backward medians (triton.testing.do_bench) per variant, and each kernel's GPU time
+The batch is recipes/bench_attention.py's unless --lengths names one: document lengths log-uniform in 64..4096,
+64k tokens, causal, bf16, H*D = 2048. Prints forward and backward medians (triton.testing.do_bench) per variant, and each kernel's GPU time
 (torch profiler).
 """
 
@@ -38,6 +38,10 @@ VARIANTS = [
     ("dkdv 32x64 w8 s3", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_m=32, block_n=64, num_warps=8))),
     ("dq 64x64 w4 s3", lambda c: dict(bwd_dq=replace(c.bwd_dq, block_m=64, block_n=64, num_warps=4))),
     ("dq 128x32 w8 s3", lambda c: dict(bwd_dq=replace(c.bwd_dq, block_n=32))),
+    # round 23: the padded recipe's batches (four documents, most of 4096 tokens) are long rows
+    ("fwd 128x128 w8 s2", lambda c: dict(fwd=replace(c.fwd, block_m=128, block_n=128, num_warps=8, num_stages=2))),
+    ("dkdv 64x128 w8 s2", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_m=64, block_n=128, num_warps=8,
+                                                           num_stages=2))),
     ("current, again", lambda c: {}),
 ]
 
@@ -45,21 +49,25 @@ VARIANTS = [
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--headdim", type=int, default=64)
+    parser.add_argument("--kv-heads", type=int, help="K/V heads (default: as many as query heads, 2048 / headdim)")
+    parser.add_argument("--lengths", help="document lengths, comma-separated (default: the bench's varlen mix)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    lengths = varlen_lengths()
+    lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else varlen_lengths()
     cu_seqlens = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
     total, nheads, headdim = sum(lengths), 2048 // args.headdim, args.headdim
-    q, k, v = (torch.randn(total, nheads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
+    nheads_k = args.kv_heads or nheads
+    q = torch.randn(total, nheads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(total, nheads_k, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
     dout = torch.randn_like(q)
 
     def attend():
         return flashpatch.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max(lengths), max(lengths),
                                                  causal=True)
 
-    current = kc.configs_for(headdim, True, masked=True)
-    print(f"varlen, {len(lengths)} documents, {total} tokens, d{headdim}, causal")
+    current = kc.configs_for(headdim, True, masked=True, grouped=nheads_k != nheads)
+    print(f"varlen, {len(lengths)} documents, {total} tokens, d{headdim}, {nheads}/{nheads_k} heads, causal")
     for name, make_fields in VARIANTS:
         with kc.override(**make_fields(current)):
             fwd_ms = triton.testing.do_bench(attend, return_mode="median")

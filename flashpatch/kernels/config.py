@@ -125,6 +125,10 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
         # all kept their bounds masks, it lost (backward 6.24 -> 7.57 ms) until v28 dropped the masks between the
         # mask edges: then it won there too (H100, GPU kernel time, dK/dV 3.49 -> 3.14 ms), except with GQA 16/4,
         # where the 32-query tile stays ahead (2.97 against 2.67-2.70 ms; the group loop holds more registers).
+        # Round 23 (docs/results/h100/round23, tune_varlen.py --kv-heads 4): with GQA, one warpgroup on 32 x 64
+        # tiles beats the 32 x 128 tile on the mix (2.71-2.73 -> 2.55 ms) and on the padded recipe's batches of
+        # four long documents (1.15 -> 1.05, 1.21 -> 1.17, 0.51 -> 0.44 ms); without GQA it loses (2.97-3.04 ->
+        # 3.27). Dropout, not measured with it, keeps the 32 x 128 tile.
         # Without a causal mask it loses (376 -> 352). v28 also turned the varlen dQ to pointer loads, now 5% ahead
         # of TMA there (1.79 -> 1.70 ms).
         # Round 14 (kernel_time_round14.log, GPU kernel time): at the 1B training recipe's shape (batch 8, 16
@@ -135,7 +139,9 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
         cfg = KernelConfigs(
             fwd=(LaunchConfig(64, 64, num_warps=4, num_stages=3, blocks_fastest=True) if short_fwd
                  else LaunchConfig(128, 64, num_warps=8, num_stages=3, blocks_fastest=True)),
-            bwd_dkdv=LaunchConfig(64 if aligned or not grouped else 32, 128, num_warps=8, num_stages=3),
+            bwd_dkdv=(LaunchConfig(64, 128, num_warps=8, num_stages=3) if aligned or not grouped
+                      else LaunchConfig(32, 128, num_warps=8, num_stages=3) if dropout
+                      else LaunchConfig(32, 64, num_warps=4, num_stages=3)),
             bwd_dq=LaunchConfig(128, 64, num_warps=8, num_stages=3, tma=aligned),
             atomic_dq=dropout and not grouped,  # round 15: see the docstring
             gluon_dkdv=True,
