@@ -34,6 +34,9 @@ GRID = [
     # ragged d128 rows: bounds masks on the edge blocks only (v28), the 64 x 128 dK/dV tile, pointer dQ
     (2, 1000, 1000, 4, 4, 128, {"causal": True}),
     (2, 1000, 1000, 4, 4, 128, {"dropout_p": 0.1, "causal": True}),  # atomic dQ
+    # round 23 tiles on ragged rows: GQA d128 dK/dV on 32 x 64 (w4), d64 dQ on 64 x 64
+    (2, 1000, 1000, 8, 2, 128, {"causal": True}),
+    (2, 1000, 1000, 8, 2, 64, {"causal": True}),
 ]
 
 
@@ -166,15 +169,16 @@ def test_misaligned_layout_falls_back_to_pointer_tiles_bf16():
     check_against_reference(out, grads, q, k, v, dout)
 
 
-@pytest.mark.parametrize("nheads_k", [2, 8])  # config.py: GQA keeps the 32-query dK/dV tile on varlen batches
-def test_varlen_realistic_mix_bf16(nheads_k):
+# config.py: varlen batches with GQA take the 32 x 64 dK/dV tile at d128, and d64 the 64-query dQ tile
+@pytest.mark.parametrize("nheads_k,headdim", [(2, 128), (8, 128), (2, 64)])
+def test_varlen_realistic_mix_bf16(nheads_k, headdim):
     gen = torch.Generator().manual_seed(0)
     lengths = torch.exp(torch.empty(24).uniform_(4.2, 8.3, generator=gen)).long().tolist()  # ~64 .. ~4000
     lengths[3] = 0
     total = sum(lengths)
-    q = torch.randn(total, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(total, nheads_k, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(total, nheads_k, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q = torch.randn(total, 8, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(total, nheads_k, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(total, nheads_k, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     cu = cu_seqlens_from_lengths(torch.tensor(lengths, device="cuda"))
     out = flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
     dout = torch.randn_like(out)
