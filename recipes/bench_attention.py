@@ -69,6 +69,17 @@ def varlen_lengths(total: int = 65536, low: int = 64, high: int = 4096, seed: in
     return lengths
 
 
+def varlen_batch(lengths: list[int], nheads: int, nheads_k: int, headdim: int):
+    """The timing scripts' varlen inputs on the GPU, bf16, seeded: q, k, v with gradients, dout, cu_seqlens."""
+    torch.manual_seed(0)
+    cu_seqlens = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)  # (docs + 1,)
+    total = sum(lengths)
+    q = torch.randn(total, nheads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # (T, H, D)
+    k, v = (torch.randn(total, nheads_k, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))  # (T, Hk, D)
+    return q, k, v, torch.randn_like(q), cu_seqlens
+
+
 def build_cases(quick: bool, seqlens: tuple[int, ...] | None = None) -> list[Case]:
     """seqlens: the dense cases' lengths (default: 4096 with quick, else 1k to 16k)."""
     tokens = 16384  # B·N, as in issue 7's peer table

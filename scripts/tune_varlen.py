@@ -19,7 +19,7 @@ import triton
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "recipes"), str(ROOT / "scripts")]  # runnable from a checkout, not installed
 import flashpatch  # noqa: E402
-from bench_attention import varlen_lengths  # noqa: E402
+from bench_attention import varlen_batch, varlen_lengths  # noqa: E402
 from flashpatch.kernels import config as kc  # noqa: E402
 from profile_kernels import kernel_times, times_by_kind  # noqa: E402
 
@@ -52,15 +52,10 @@ def main():
     parser.add_argument("--kv-heads", type=int, help="K/V heads (default: as many as query heads, 2048 / headdim)")
     parser.add_argument("--lengths", help="document lengths, comma-separated (default: the bench's varlen mix)")
     args = parser.parse_args()
-    torch.manual_seed(0)
     lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else varlen_lengths()
-    cu_seqlens = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
     total, nheads, headdim = sum(lengths), 2048 // args.headdim, args.headdim
     nheads_k = args.kv_heads or nheads
-    q = torch.randn(total, nheads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(total, nheads_k, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            for _ in range(2))
-    dout = torch.randn_like(q)
+    q, k, v, dout, cu_seqlens = varlen_batch(lengths, nheads, nheads_k, headdim)
 
     def attend():
         return flashpatch.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max(lengths), max(lengths),

@@ -14,18 +14,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "recipes"), str(ROOT / "scripts")]  # runnable from a checkout, not installed
 import flashpatch  # noqa: E402
-from bench_attention import varlen_lengths  # noqa: E402
+from bench_attention import varlen_batch, varlen_lengths  # noqa: E402
 from profile_kernels import kernel_times, times_by_kind  # noqa: E402
 
 
 def main():
-    torch.manual_seed(0)
     lengths = varlen_lengths()
-    cu_seqlens = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
-    total, nheads, headdim = sum(lengths), 16, 128
-    q, k, v = (torch.randn(total, nheads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))  # (total, H, D)
-    dout = torch.randn_like(q)
+    q, k, v, dout, cu_seqlens = varlen_batch(lengths, 16, 16, 128)
     for scale in (1, 2, 4, 1):
         max_seqlen = max(lengths) * scale
 

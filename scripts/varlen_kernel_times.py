@@ -35,17 +35,12 @@ def main():
     import flashpatch  # the tree's package first: profile_kernels and bench_attention then find it imported
     sys.path[1:1] = [str(ROOT / "recipes"), str(ROOT / "scripts")]
     import torch
-    from bench_attention import varlen_lengths
+    from bench_attention import varlen_batch, varlen_lengths
     from profile_kernels import kernel_times, times_by_kind
 
-    torch.manual_seed(0)
     lengths = varlen_lengths()
-    cu_seqlens = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
-    total, nheads, headdim = sum(lengths), 16, 128
-    q = torch.randn(total, nheads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # (T, H, D)
-    k, v = (torch.randn(total, args.kv_heads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            for _ in range(2))  # (T, Hk, D)
-    dout = torch.randn_like(q)
+    nheads, headdim = 16, 128
+    q, k, v, dout, cu_seqlens = varlen_batch(lengths, nheads, args.kv_heads, headdim)
 
     def step():
         out = flashpatch.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max(lengths), max(lengths),
