@@ -1,11 +1,11 @@
 """Time launch configurations on a varlen batch, whose loads keep their bounds masks (ops._even is False), so a
 tile that wins on dense rows can lose here; scripts/tune_kernels.py times dense rows only.
 
-    python scripts/tune_varlen.py [--headdim 64] [--kv-heads 4] [--lengths 4096,4096,2551,4096]      (CUDA GPU)
+    python scripts/tune_varlen.py [--headdim 64] [--kv-heads 4] [--lengths 4096,4096,2551,4096]    (CUDA GPU)
 
 The batch is recipes/bench_attention.py's unless --lengths names one: document lengths log-uniform in 64..4096,
-64k tokens, causal, bf16, H*D = 2048. Prints forward and backward medians (triton.testing.do_bench) per variant, and each kernel's GPU time
-(torch profiler).
+64k tokens, causal, bf16, H*D = 2048. Prints forward and backward medians (triton.testing.do_bench) per variant,
+and each kernel's GPU time (torch profiler).
 """
 
 import argparse
