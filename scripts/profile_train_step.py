@@ -1,9 +1,11 @@
-"""Where a training step's time goes: a few steps of a recipe under the torch profiler, kernel time summed by kind
-(attention, matmul, the rest) and the top kernels, for one implementation. Written for NOTES.md "What is left" 0:
-the padded-real-lengths run moved +0.3% when its varlen kernels got 17-19% faster.
+"""Where a training step's time goes, for one implementation: after the warm-up, the next steps run once timed
+(wall time without the profiler) and once under the torch profiler, which gives the kernel time summed by kind
+(attention, matmul, the rest), the host syncs per step, the top kernels, and the GPU's idle gaps between kernels
+by the host op that launched the kernel after each (host-bound, or waiting on something else). Written for the
+padded-real-lengths run, which moved +0.3% when its varlen kernels got 17-19% faster (NOTES.md e14 has the answer).
 
     python scripts/profile_train_step.py --config configs/padded_real_lengths.yaml --implementations fpatch \
-        [--tree runs/trees/<name>] [--profile_steps 3]
+        [--tree runs/trees/<name>] [--profile_steps 8]
 
 Every other option is recipes/train.py's (--config plus field overrides; the batches are the recipe's). --tree
 imports flashpatch from an older package (`git archive <commit> flashpatch | tar -x -C runs/trees/<name>`), so two
@@ -178,6 +180,7 @@ def report_idle(prof, steps: int, top: int) -> None:
     print("largest gaps:")
     for gap, bound, name, op in sorted(gaps, key=lambda g: -g[0])[:top]:
         print(f"  {gap / 1000.0:8.2f} ms  {'host ' if bound else 'wait '} before {name[:40]}  ({op[:80]})")
+
 
 if __name__ == "__main__":
     main()
