@@ -71,8 +71,10 @@ def varlen_lengths(total: int = 65536, low: int = 64, high: int = 4096, seed: in
 
 def varlen_batch(lengths: list[int], nheads: int, nheads_k: int, headdim: int):
     """The timing scripts' varlen inputs on the GPU, bf16, seeded: q, k, v with gradients, dout, cu_seqlens."""
+    from flashpatch.padding import cu_seqlens_from_lengths
+
     torch.manual_seed(0)
-    cu_seqlens = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)  # (docs + 1,)
+    cu_seqlens = cu_seqlens_from_lengths(torch.tensor(lengths, device="cuda"))  # (docs + 1,)
     total = sum(lengths)
     q = torch.randn(total, nheads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # (T, H, D)
     k, v = (torch.randn(total, nheads_k, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -118,8 +120,7 @@ def make_fpatch(case: Case, dtype, device):
         q = _rand(total, case.heads, d, dtype=dtype, device=device)  # (total, H, D)
         k = _rand(total, case.kv_heads, d, dtype=dtype, device=device)
         v = _rand(total, case.kv_heads, d, dtype=dtype, device=device)
-        lens = torch.tensor(case.doc_lens, device=device)
-        cu = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)  # (docs + 1,)
+        cu = flashpatch.padding.cu_seqlens_from_lengths(torch.tensor(case.doc_lens, device=device))  # (docs + 1,)
         longest = max(case.doc_lens)
 
         def fn():
@@ -263,7 +264,7 @@ def check_fpatch(case: Case, dtype) -> float | None:
         total = sum(lens)
         q, k, v = (torch.randn(total, h, case.head_dim, device="cuda", dtype=dtype, generator=gen)
                    for h in (case.heads, case.kv_heads, case.kv_heads))
-        cu = torch.nn.functional.pad(torch.tensor(lens, device="cuda").cumsum(0), (1, 0)).to(torch.int32)
+        cu = flashpatch.padding.cu_seqlens_from_lengths(torch.tensor(lens, device="cuda"))
         out = flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
         for i in range(len(lens)):
             s = slice(int(cu[i]), int(cu[i + 1]))
