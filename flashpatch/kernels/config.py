@@ -129,12 +129,12 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
         # all kept their bounds masks, it lost (backward 6.24 -> 7.57 ms) until v28 dropped the masks between the
         # mask edges: then it won there too (H100, GPU kernel time, dK/dV 3.49 -> 3.14 ms), except with GQA 16/4,
         # where the 32-query tile stays ahead (2.97 against 2.67-2.70 ms; the group loop holds more registers).
+        # Without a causal mask it loses (376 -> 352). v28 also turned the varlen dQ to pointer loads, now 5% ahead
+        # of TMA there (1.79 -> 1.70 ms).
         # Round 23 (docs/results/h100/round23, tune_varlen.py --kv-heads 4): with GQA, one warpgroup on 32 x 64
         # tiles beats the 32 x 128 tile on the mix (2.71-2.73 -> 2.55 ms) and on the padded recipe's batches of
         # four long documents (1.15 -> 1.05, 1.21 -> 1.17, 0.51 -> 0.44 ms); without GQA it loses (2.97-3.04 ->
         # 3.27). Dropout, not measured with it, keeps the 32 x 128 tile.
-        # Without a causal mask it loses (376 -> 352). v28 also turned the varlen dQ to pointer loads, now 5% ahead
-        # of TMA there (1.79 -> 1.70 ms).
         # Round 14 (kernel_time_round14.log, GPU kernel time): at the 1B training recipe's shape (batch 8, 16
         # query / 4 K/V heads, n1024, causal) the forward with 64 x 64 tiles and 4 warps takes 0.119 ms against
         # 0.129 (presumably as twice the programs spread better over 132 SMs); at n4096 it loses
