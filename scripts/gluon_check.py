@@ -4,9 +4,10 @@ gradients against the float64 reference, then GPU kernel time (torch profiler) p
     python scripts/gluon_check.py [--skip-check] [--shapes 1b,c8k,f8k] [--variants "triton,gluon+fwd+dq"]
 
 A variant is a VARIANTS entry (Gluon dK/dV or not, its stages, its grid order) plus "+fwd" (the Gluon forward),
-"+dq" / "+dq128" (the Gluon dQ, 64- or 128-key steps) and "+gN" (every kernel's grid in head groups of N,
-config.head_group; g0: all heads in one group). Round 17's logs also name variants since removed: "carry"
-(dK/dV left in flight into the next step) and "fwdskew" (the forward's intra-warpgroup skew), NOTES.md v19.
+"+dq" / "+dq128" (the Gluon dQ, 64- or 128-key steps), "+m128" (the d64 Gluon dK/dV with 128-query steps) and
+"+gN" (every kernel's grid in head groups of N, config.head_group; g0: all heads in one group). Round 17's logs
+also name variants since removed: "carry" (dK/dV left in flight into the next step) and "fwdskew" (the forward's
+intra-warpgroup skew), NOTES.md v19.
 """
 
 import argparse
@@ -139,6 +140,7 @@ def timing(shapes, variants):
             gluon_fwd = "fwd" in extras
             gluon_dq, hq.BLOCK_N = any(e.startswith("dq") for e in extras), 128 if "dq128" in extras else 64
             gluon, hk.STAGES, order = VARIANTS[base]
+            hk.BLOCK_M[64] = 128 if "m128" in extras else 64  # +m128: 128-query steps in the d64 Gluon dK/dV
             groups = [int(e[1:]) for e in extras if e[:1] == "g" and e[1:].isdigit()]
             kc.HEAD_GROUP_OVERRIDE = groups[0] if groups else order
 

@@ -55,6 +55,13 @@ VARIANTS = [
     # round 20 (--dropout): the Gluon dQ pass with dropout (hopper_dq.dropout_keep_acc)
     ("Gluon dq with dropout", lambda c: dict(gluon_dq=True, atomic_dq=False)),
     ("Triton dq", lambda c: dict(gluon_dq=False, atomic_dq=False)),
+    # round 24: 256-query forward tiles (FA3's d64 forward runs 192 queries per program, three warpgroups; Triton's
+    # tiles are powers of two); the Triton forward where the Gluon one is the default (unmasked d64, d128)
+    ("fwd Triton, current tile", lambda c: dict(gluon_fwd=False)),
+    ("fwd Triton 256x64 w8 s3", lambda c: dict(fwd=L(256, 64, 8, 3, True), gluon_fwd=False)),
+    ("fwd Triton 256x64 w16 s3", lambda c: dict(fwd=L(256, 64, 16, 3, True), gluon_fwd=False)),
+    ("fwd Triton 256x128 w16 s2", lambda c: dict(fwd=L(256, 128, 16, 2, True), gluon_fwd=False)),
+    ("fwd Triton 128x128 w8 s3", lambda c: dict(fwd=L(128, 128, 8, 3, True), gluon_fwd=False)),
     ("current, again", lambda c: {}),
 ]
 
