@@ -7,7 +7,9 @@ forward of gradient checkpointing are not counted: an implementation that wastes
 
 from __future__ import annotations
 
+import gc
 import os
+import time
 
 import torch
 
@@ -91,3 +93,33 @@ def rss_gib() -> float | None:
         return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
     except (OSError, ValueError):
         return None
+
+
+class GcPauses:
+    """Host time spent in Python's garbage collector while entered. A training step keeps the host only a little
+    ahead of the GPU, so a collection during a step delays the next launches by its length, which the GPU can wait
+    out: the step's gc_ms tells such a pause from a slow GPU. `take()` returns (ms, full collections) since its
+    last call."""
+
+    def __init__(self):
+        self._ms, self._full, self._start = 0.0, 0, None
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._on_collect)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._on_collect)
+
+    def _on_collect(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self._ms += 1000 * (time.perf_counter() - self._start)
+            self._full += info.get("generation") == 2
+            self._start = None
+
+    def take(self) -> tuple[float, int]:
+        taken = (self._ms, self._full)
+        self._ms, self._full = 0.0, 0
+        return taken

@@ -175,22 +175,29 @@ def train_one(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer) -> d
     head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
     attn_width = mcfg.num_attention_heads * head_dim  # query heads x head dim: the width of QKᵀ and PV
 
-    raw = {"losses": [], "step_times": [], "tokens": 0, "padded_tokens": 0, "flops": 0.0, "rss": []}
+    raw = {"losses": [], "step_times": [], "gc_ms": [], "gc_full": 0, "tokens": 0, "padded_tokens": 0, "flops": 0.0,
+           "rss": []}
     total = cfg.warmup_steps + cfg.steps
     bar = tqdm(total=total, desc=impl, disable=not accelerator.is_local_main_process, dynamic_ncols=True)
+    gc_pauses = measure.GcPauses()
     for step, batch in enumerate(batches):
         batch_dev = device_inputs(impl, cfg, batch, device)  # made before the clock starts, like a collator's work
         _sync(device)
-        start = time.perf_counter()
-        loss = train_step(model, optimizer, scheduler, accelerator, cfg, batch_dev)
-        _sync(device)
-        elapsed = time.perf_counter() - start
+        gc_pauses.take()
+        with gc_pauses:
+            start = time.perf_counter()
+            loss = train_step(model, optimizer, scheduler, accelerator, cfg, batch_dev)
+            _sync(device)
+            elapsed = time.perf_counter() - start
+        step_gc_ms, step_gc_full = gc_pauses.take()
 
         mean_loss = accelerator.reduce(loss.detach().float(), reduction="mean").item()  # the curve: mean over ranks
         raw["losses"].append(mean_loss)
         raw["rss"].append(measure.rss_gib())
         if step >= cfg.warmup_steps:
             raw["step_times"].append(elapsed)
+            raw["gc_ms"].append(step_gc_ms)
+            raw["gc_full"] += step_gc_full
             lengths = measure.segment_lengths(batch)
             raw["tokens"] += sum(lengths)
             raw["padded_tokens"] += batch["input_ids"].numel()
@@ -259,6 +266,9 @@ def run_implementation(impl: str, cfg: TrainConfig, accelerator, batches, tokeni
         step_time_ms=1000 * statistics.mean(raw["step_times"]),
         step_time_ms_median=1000 * statistics.median(raw["step_times"]),
         step_times_ms=[round(1000 * t, 2) for t in raw["step_times"]],  # this rank's measured steps
+        # host ms inside Python's garbage collector per measured step, and the full (generation 2) collections
+        gc_ms=[round(t, 2) for t in raw["gc_ms"]],
+        gc_full_collections=raw["gc_full"],
         measured_steps=len(raw["step_times"]),
         real_tokens=int(tokens),
         padded_tokens=int(padded),

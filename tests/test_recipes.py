@@ -226,6 +226,24 @@ def test_segment_lengths_and_flops():
     assert measure.train_flops(10, 2, 8, [2, 3], causal=False) == 6 * 10 * 5 + 3 * 4 * 2 * 8 * 13
 
 
+def test_gc_pauses_counts_collections_only_while_entered():
+    import gc
+
+    pauses = measure.GcPauses()
+    gc.collect()  # outside: not counted
+    assert pauses.take() == (0.0, 0)
+    with pauses:
+        junk = [[i] for i in range(20_000)]  # something for the collector to scan
+        gc.collect()  # a full collection
+        gc.collect(0)
+    gc.collect()
+    ms, full = pauses.take()
+    assert full == 1 and ms > 0
+    assert pauses.take() == (0.0, 0)  # take() starts a new count
+    assert pauses._on_collect not in gc.callbacks
+    del junk
+
+
 def test_config_yaml_and_overrides(tmp_path):
     cfg = parse_config(["--config", str(REPO / "configs" / "tiny_cpu.yaml")])
     assert cfg.name == "tiny_cpu" and cfg.output_dir == os.path.join("runs", "tiny_cpu")
@@ -299,6 +317,7 @@ def test_train_smoke_run(tmp_path):
         assert r["status"] == "ok", r
         assert r["attn_implementation"] == r["implementation"]
         assert len(r["losses"]) == 3 and r["measured_steps"] == 2 and len(r["step_times_ms"]) == 2
+        assert len(r["gc_ms"]) == 2 and r["gc_full_collections"] >= 0
         assert r["real_tokens"] == r["padded_tokens"] == 2 * 2 * 64  # packed: every token is real
         assert r["tokens_per_s"] > 0 and r["mfu"] is None and r["peak_rss_gib"][0] > 0
     # same init, same batches: eager and sdpa agree tightly in fp32, fpatch (varlen kernel, interpreted) closely
