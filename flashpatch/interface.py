@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from flashpatch.autograd import FlashAttnFunction
-from flashpatch.validation import check_attention_args, check_cu_seqlens
+from flashpatch.validation import check_attention_args, check_cu_seqlens, check_unsupported, unpack
 
 
 def flash_attn_func(
@@ -20,6 +20,7 @@ def flash_attn_func(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
 ):
@@ -50,6 +51,8 @@ def flash_attn_func(
         window_size: (left, right); query i attends keys in [i + seqlen_k - seqlen_q - left,
             i + seqlen_k - seqlen_q + right]; -1 leaves that side unbounded. causal=True sets right to 0.
         softcap: if > 0, scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2 style).
+        alibi_slopes: must be None: there for flash-attn's argument order; ALiBi biases are not supported
+            (NotImplementedError).
         deterministic: bitwise-repeatable backward (no atomics). The default backward is deterministic too,
             except on a GPU for head dims 65-128 with dropout, a causal or window mask and no GQA, where dQ is
             summed with fp32 atomics because that measured faster; this flag turns that off.
@@ -63,6 +66,7 @@ def flash_attn_func(
         +1 where the weight was kept and -1 where it was dropped (flash-attn returns signed probabilities there;
         flashpatch returns only the signs, which is what a test of the mask needs).
     """
+    check_unsupported(alibi_slopes=alibi_slopes)
     args = check_attention_args(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, varlen=False)
     return FlashAttnFunction.run(
         q, k, v, None, None, q.shape[1], k.shape[1], args, deterministic, return_attn_probs
@@ -82,8 +86,10 @@ def flash_attn_varlen_func(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
 ):
     """Attention over a batch of sequences packed without padding.
 
@@ -96,6 +102,7 @@ def flash_attn_varlen_func(
         max_seqlen_q, max_seqlen_k: Python ints, at least the longest sequence. They size the launch grid, so an
             upper bound (e.g. the padded length) is correct and saves a host sync; the dropout bits are keyed on
             them, so pass the same values to reproduce a mask.
+        block_table: must be None (paged KV caches are an inference feature; NotImplementedError otherwise).
         Other arguments as in `flash_attn_func`; causal and window alignment is bottom-right per sequence.
         Sequences may be empty. Dropout draws, for a token pair, the same bit as `flash_attn_func` does on the
         same batch padded to (max_seqlen_q, max_seqlen_k).
@@ -105,9 +112,116 @@ def flash_attn_varlen_func(
         With return_attn_probs=True: (out, softmax_lse (nheads, total_q) float32, S_dmask or None), S_dmask being
         (batch, nheads, max_seqlen_q, max_seqlen_k).
     """
+    check_unsupported(alibi_slopes=alibi_slopes, block_table=block_table)
     args = check_attention_args(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, varlen=True)
     check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return FlashAttnFunction.run(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), args, deterministic,
         return_attn_probs,
     )
+
+
+# flash-attn 2's packed variants: the packed tensor is split into views (no copy), so the kernels read it in place.
+# In backward, autograd stacks the three (or two) gradients into one tensor shaped like the packed input: one copy,
+# which flash-attn's own packed functions avoid by writing each gradient into its slice.
+
+
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """`flash_attn_func` on q, k, v stacked in one tensor.
+
+    Arguments:
+        qkv: (batch, seqlen, 3, nheads, headdim); q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        Other arguments and the returns as in `flash_attn_func`.
+    """
+    q, k, v = unpack("qkv", qkv, 3, 5, "(batch, seqlen, 3, nheads, headdim)")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """`flash_attn_func` with k and v stacked in one tensor.
+
+    Arguments:
+        q: (batch, seqlen_q, nheads, headdim)
+        kv: (batch, seqlen_k, 2, nheads_k, headdim); k, v = kv[:, :, 0], kv[:, :, 1]
+        Other arguments and the returns as in `flash_attn_func`.
+    """
+    k, v = unpack("kv", kv, 2, 5, "(batch, seqlen_k, 2, nheads_k, headdim)")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """`flash_attn_varlen_func` on q, k, v stacked in one tensor (self-attention: one cu_seqlens).
+
+    Arguments:
+        qkv: (total, 3, nheads, headdim); q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+        cu_seqlens: (batch + 1,) int32, for queries and keys alike
+        max_seqlen: Python int, at least the longest sequence
+        Other arguments and the returns as in `flash_attn_varlen_func`.
+    """
+    q, k, v = unpack("qkv", qkv, 3, 4, "(total, 3, nheads, headdim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """`flash_attn_varlen_func` with k and v stacked in one tensor.
+
+    Arguments:
+        q: (total_q, nheads, headdim)
+        kv: (total_k, 2, nheads_k, headdim); k, v = kv[:, 0], kv[:, 1]
+        Other arguments and the returns as in `flash_attn_varlen_func`.
+    """
+    k, v = unpack("kv", kv, 2, 4, "(total_k, 2, nheads_k, headdim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)

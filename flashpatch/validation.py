@@ -83,6 +83,23 @@ def check_attention_args(
     return AttnArgs(float(dropout_p), float(softmax_scale), left, right, float(softcap))
 
 
+def check_unsupported(**arguments) -> None:
+    """flash-attn arguments kept for its signature whose features flashpatch does not have: only None passes."""
+    for name, value in arguments.items():
+        if value is not None:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise NotImplementedError(f"flashpatch does not support {name} (got {shape}); pass None")
+
+
+def unpack(name: str, packed, parts: int, ndim: int, layout: str) -> tuple[torch.Tensor, ...]:
+    """Views of a packed q/k/v tensor of `ndim` dims: the `parts` slices along its third-from-last dimension."""
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(packed).__name__}")
+    if packed.dim() != ndim or packed.shape[-3] != parts:
+        raise ValueError(f"{name} must be laid out as {layout}, got shape {tuple(packed.shape)}")
+    return packed.unbind(dim=-3)
+
+
 def check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
     """Checks that need no device sync come first; the value checks sync once (one small copy)."""
     for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
