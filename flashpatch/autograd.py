@@ -26,16 +26,17 @@ def _eager(*tensors) -> bool:
 class FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, args: AttnArgs,
-                deterministic: bool):
+                deterministic: bool, alibi_slopes):
         # The (seed, offset) pair lives on the device and is saved for backward, which regenerates the same
         # mask from it. Drawn from torch's generator, so manual_seed and checkpoint's RNG replay both hold.
         seed_offset = ops.draw_seed_offset(q.device) if args.dropout_p > 0 else None
-        attn_fwd = ops.attn_fwd_impl if _eager(q, k, v, cu_seqlens_q, cu_seqlens_k) else torch.ops.flashpatch.attn_fwd
+        eager = _eager(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+        attn_fwd = ops.attn_fwd_impl if eager else torch.ops.flashpatch.attn_fwd
         out, lse = attn_fwd(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed_offset,
-            args.dropout_p, args.softmax_scale, args.window_left, args.window_right, args.softcap,
+            args.dropout_p, args.softmax_scale, args.window_left, args.window_right, args.softcap, alibi_slopes,
         )
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed_offset)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed_offset, alibi_slopes)
         ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
         ctx.args = args
         ctx.deterministic = deterministic
@@ -44,22 +45,22 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse, _dseed):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed_offset = ctx.saved_tensors
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed_offset, alibi_slopes = ctx.saved_tensors
         args = ctx.args
-        attn_bwd = (ops.attn_bwd_impl if _eager(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        attn_bwd = (ops.attn_bwd_impl if _eager(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
                     else torch.ops.flashpatch.attn_bwd)
         dq, dk, dv = attn_bwd(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, seed_offset,
             args.dropout_p, args.softmax_scale, args.window_left, args.window_right, args.softcap,
-            ctx.deterministic,
+            ctx.deterministic, alibi_slopes,
         )
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None  # no gradient for the slopes (flash-attn: none)
 
     @classmethod
     def run(cls, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, args: AttnArgs,
-            deterministic: bool, return_attn_probs: bool):
+            deterministic: bool, return_attn_probs: bool, alibi_slopes=None):
         out, lse, seed_offset = cls.apply(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, args, deterministic)
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, args, deterministic, alibi_slopes)
         if not return_attn_probs:
             return out
         pattern = None

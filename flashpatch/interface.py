@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from flashpatch.autograd import FlashAttnFunction
-from flashpatch.validation import check_attention_args, check_cu_seqlens, check_unsupported, unpack
+from flashpatch.validation import check_alibi_slopes, check_attention_args, check_cu_seqlens, check_unsupported, unpack
 
 
 def flash_attn_func(
@@ -51,8 +51,9 @@ def flash_attn_func(
         window_size: (left, right); query i attends keys in [i + seqlen_k - seqlen_q - left,
             i + seqlen_k - seqlen_q + right]; -1 leaves that side unbounded. causal=True sets right to 0.
         softcap: if > 0, scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2 style).
-        alibi_slopes: must be None: there for flash-attn's argument order; ALiBi biases are not supported
-            (NotImplementedError).
+        alibi_slopes: (nheads,) or (batch, nheads) float32, or None. ALiBi: adds
+            -alibi_slopes[h] * |i + seqlen_k - seqlen_q - j| to the (scaled, softcapped) score of query i and key j;
+            no gradient flows to the slopes.
         deterministic: bitwise-repeatable backward (no atomics). The default backward is deterministic too,
             except on a GPU for head dims 65-128 with dropout, a causal or window mask and no GQA, where dQ is
             summed with fp32 atomics because that measured faster; this flag turns that off.
@@ -66,10 +67,10 @@ def flash_attn_func(
         +1 where the weight was kept and -1 where it was dropped (flash-attn returns signed probabilities there;
         flashpatch returns only the signs, which is what a test of the mask needs).
     """
-    check_unsupported(alibi_slopes=alibi_slopes)
     args = check_attention_args(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, varlen=False)
+    check_alibi_slopes(alibi_slopes, q, batch=q.shape[0])
     return FlashAttnFunction.run(
-        q, k, v, None, None, q.shape[1], k.shape[1], args, deterministic, return_attn_probs
+        q, k, v, None, None, q.shape[1], k.shape[1], args, deterministic, return_attn_probs, alibi_slopes
     )
 
 
@@ -103,7 +104,8 @@ def flash_attn_varlen_func(
             upper bound (e.g. the padded length) is correct and saves a host sync; the dropout bits are keyed on
             them, so pass the same values to reproduce a mask.
         block_table: must be None (paged KV caches are an inference feature; NotImplementedError otherwise).
-        Other arguments as in `flash_attn_func`; causal and window alignment is bottom-right per sequence.
+        Other arguments as in `flash_attn_func`; causal and window alignment (and ALiBi's distance) is
+        bottom-right per sequence, and (batch, nheads) ALiBi slopes give one row per sequence.
         Sequences may be empty. Dropout draws, for a token pair, the same bit as `flash_attn_func` does on the
         same batch padded to (max_seqlen_q, max_seqlen_k).
 
@@ -112,12 +114,13 @@ def flash_attn_varlen_func(
         With return_attn_probs=True: (out, softmax_lse (nheads, total_q) float32, S_dmask or None), S_dmask being
         (batch, nheads, max_seqlen_q, max_seqlen_k).
     """
-    check_unsupported(alibi_slopes=alibi_slopes, block_table=block_table)
+    check_unsupported(block_table=block_table)
     args = check_attention_args(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, varlen=True)
     check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    check_alibi_slopes(alibi_slopes, q, batch=cu_seqlens_q.numel() - 1)
     return FlashAttnFunction.run(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), args, deterministic,
-        return_attn_probs,
+        return_attn_probs, alibi_slopes,
     )
 
 

@@ -3,9 +3,10 @@ torch.compile traces through them as opaque nodes.
 
 Dense tensors are (batch, seqlen, heads, headdim); varlen tensors are (total_tokens, heads, headdim) with
 cu_seqlens. Both run the same kernels: varlen reads a sequence's start and length from cu_seqlens, dense uses a
-batch stride. On an H100/H200 (sm_90), dense d128 calls that are causal or unmasked and whose lengths divide the
-tiles run warp-specialized Gluon kernels instead (kernels/hopper_*.py; same results, same LSE and delta buffers);
-FLASHPATCH_GLUON=0 turns them off. No argument checking here: flashpatch.validation does it in the public layer.
+batch stride. On an H100/H200 (sm_90), dense d128 calls that are causal or unmasked, have no ALiBi slopes and whose
+lengths divide the tiles run warp-specialized Gluon kernels instead (kernels/hopper_*.py; same results, same LSE and
+delta buffers); FLASHPATCH_GLUON=0 turns them off. No argument checking here: flashpatch.validation does it in the
+public layer.
 """
 
 from __future__ import annotations
@@ -60,17 +61,23 @@ def _scales(softmax_scale: float, softcap: float) -> tuple[float, float]:
     return softmax_scale * LOG2E, 0.0
 
 
+def _alibi_stride(alibi_slopes: Optional[torch.Tensor]) -> int:
+    """Batch stride of the slopes: (nheads,) slopes serve every sequence (stride 0), (batch, nheads) one row each."""
+    return alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs are computed in fp32 ("ieee"), not TF32: exact parity tests rely on it.
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _common_flags(varlen, window_left, window_right, softcap, dropout_p, dtype):
+def _common_flags(varlen, window_left, window_right, softcap, dropout_p, dtype, alibi_slopes):
     return dict(
         IS_VARLEN=varlen,
         HAS_LEFT=window_left >= 0,
         HAS_RIGHT=window_right >= 0,
         SOFTCAP=softcap > 0,
+        ALIBI=alibi_slopes is not None,
         DROPOUT=dropout_p > 0,
         DOT_PRECISION=_dot_precision(dtype),
     )
@@ -252,8 +259,10 @@ def attn_fwd_impl(
     window_left: int,
     window_right: int,
     softcap: float,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out shaped like q, lse float32: (B, H, Sq) dense or (H, total_q) varlen)."""
+    """Returns (out shaped like q, lse float32: (B, H, Sq) dense or (H, total_q) varlen). alibi_slopes: None, or
+    float32 (nheads,) or (batch, nheads)."""
     _check_runnable(q)
     varlen = cu_seqlens_q is not None
     nheads, headdim = q.shape[-2], q.shape[-1]
@@ -264,7 +273,7 @@ def attn_fwd_impl(
     if out.numel() == 0:
         return out, lse
     cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p)
-    if cfgs.gluon_fwd and hopper_fwd.supported(  # the Gluon Hopper kernel where it applies (hopper_common.py)
+    if cfgs.gluon_fwd and alibi_slopes is None and hopper_fwd.supported(  # the Gluon kernel where it applies
             q, k, v, varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
             window_right=window_right, softcap=softcap, dropout_p=dropout_p):
         hopper_fwd.attn_fwd(q, k, v, out, lse, _scales(softmax_scale, softcap)[0], causal=window_right == 0)
@@ -277,13 +286,13 @@ def attn_fwd_impl(
     grid, blocks, blocks_fastest = _launch_grid(nheads, cfg.block_m, cfg.blocks_fastest, cu_seqlens_q, q.shape[0],
                                                 batch, max_seqlen_q, heaviest_first=True)
     attn_fwd_kernel[grid](
-        q, k, v, out, lse, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks,
+        q, k, v, out, lse, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes,
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen), *_seq_strides(out, varlen),
-        *_lse_strides(lse, varlen),
+        *_lse_strides(lse, varlen), _alibi_stride(alibi_slopes),
         nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
         qk_scale, cap_log2, dropout_p, window_left, window_right,
         HEADDIM=headdim, BLOCK_D=triton.next_power_of_2(headdim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        **_common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype),
+        **_common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype, alibi_slopes),
         TMA=tma, BLOCKS_FASTEST=blocks_fastest,
         HEAD_GROUP=_head_group(cfg, varlen, window_left, window_right, max_seqlen_q, q.device),
         EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, cfg.block_n),
@@ -300,7 +309,7 @@ attn_fwd = torch.library.custom_op("flashpatch::attn_fwd", attn_fwd_impl, mutate
 
 @attn_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed_offset, dropout_p, softmax_scale,
-      window_left, window_right, softcap):
+      window_left, window_right, softcap, alibi_slopes=None):
     varlen = cu_seqlens_q is not None
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
         _lse_shape(q, varlen), dtype=torch.float32)
@@ -325,6 +334,7 @@ def attn_bwd_impl(
     window_right: int,
     softcap: float,
     deterministic: bool,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dq, dk, dv) shaped like q, k, v (contiguous)."""
     _check_runnable(q)
@@ -343,7 +353,7 @@ def attn_bwd_impl(
         return dq.zero_(), dk.zero_(), dv.zero_()
     cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p)
     qk_scale, cap_log2 = _scales(softmax_scale, softcap)
-    flags = _common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype)
+    flags = _common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype, alibi_slopes)
     block_d = triton.next_power_of_2(headdim)
 
     delta = torch.empty_like(lse)
@@ -358,11 +368,13 @@ def attn_bwd_impl(
     atomic_dq = cfgs.atomic_dq and not deterministic
     # fp32 accumulator for atomic dQ; otherwise dQ gets its own pass and the pointer is unused.
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else dq
-    # The Gluon Hopper kernels take the calls in their scope (hopper_common.sm90_dense_ok), the Triton ones the rest
+    # The Gluon Hopper kernels take the calls in their scope (hopper_common.sm90_dense_ok; no ALiBi), the Triton
+    # ones the rest
     gluon_scope = dict(varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
                        window_right=window_right, softcap=softcap, dropout_p=dropout_p)
     causal = window_right == 0
-    if cfgs.gluon_dkdv and not atomic_dq and hopper_dkdv.supported(q, k, v, dout, **gluon_scope):
+    gluon_dkdv = cfgs.gluon_dkdv and not atomic_dq and alibi_slopes is None
+    if gluon_dkdv and hopper_dkdv.supported(q, k, v, dout, **gluon_scope):
         hopper_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal)
     else:
         c = cfgs.bwd_dkdv
@@ -373,9 +385,10 @@ def attn_bwd_impl(
                                                     k.shape[0], batch, max_seqlen_k, heaviest_first=False)
         attn_bwd_dkdv_kernel[grid](
             q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks,
+            alibi_slopes,
             *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
             *_seq_strides(dout, varlen), *_seq_strides(dq_accum, varlen), *_seq_strides(dk, varlen),
-            *_seq_strides(dv, varlen), *_lse_strides(lse, varlen),
+            *_seq_strides(dv, varlen), *_lse_strides(lse, varlen), _alibi_stride(alibi_slopes),
             nheads, nheads_k, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
             qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
             HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq,
@@ -387,7 +400,7 @@ def attn_bwd_impl(
         )
     if atomic_dq:
         dq.copy_(dq_accum)
-    elif cfgs.gluon_dq and hopper_dq.supported(q, k, v, dout, **gluon_scope):
+    elif cfgs.gluon_dq and alibi_slopes is None and hopper_dq.supported(q, k, v, dout, **gluon_scope):
         hopper_dq.attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale, softmax_scale, causal, seed_offset=seed_offset,
                               dropout_p=dropout_p)
     else:
@@ -398,9 +411,10 @@ def attn_bwd_impl(
         grid, blocks, blocks_fastest = _launch_grid(nheads, c.block_m, c.blocks_fastest, cu_seqlens_q,
                                                     q.shape[0], batch, max_seqlen_q, heaviest_first=True)
         attn_bwd_dq_kernel[grid](
-            q, k, v, dout, lse, delta, dq, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks,
+            q, k, v, dout, lse, delta, dq, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes,
             *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
             *_seq_strides(dout, varlen), *_seq_strides(dq, varlen), *_lse_strides(lse, varlen),
+            _alibi_stride(alibi_slopes),
             nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
             qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
             HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, TMA=tma_dq,
@@ -419,7 +433,7 @@ attn_bwd = torch.library.custom_op("flashpatch::attn_bwd", attn_bwd_impl, mutate
 
 @attn_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed_offset, dropout_p,
-      softmax_scale, window_left, window_right, softcap, deterministic):
+      softmax_scale, window_left, window_right, softcap, deterministic, alibi_slopes=None):
     fresh = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
     return fresh(q), fresh(k), fresh(v)
 

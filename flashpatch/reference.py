@@ -46,6 +46,7 @@ def attention_reference(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,  # (H,) or (B, H): adds -slope * |i + Sk - Sq - j| to the scores
     dropout_p: float = 0.0,
     dropout_keep: torch.Tensor | None = None,  # (B, H, Sq, Sk) bool: the kernel's own dropout pattern
     key_padding_mask: torch.Tensor | None = None,  # (B, Sk) bool, True = real token
@@ -71,6 +72,11 @@ def attention_reference(
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale  # (B, H, Sq, Sk)
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(compute).reshape(-1, nheads, 1, 1)  # (1 or B, H, 1, 1)
+        rows = torch.arange(seqlen_q, device=q.device)[:, None] + (seqlen_k - seqlen_q)
+        distance = (rows - torch.arange(seqlen_k, device=q.device)[None, :]).abs()  # (Sq, Sk)
+        scores = scores - slopes * distance.to(compute)
     visible = visibility_mask(seqlen_q, seqlen_k, causal, window_size, q.device)[None, None]
     if key_padding_mask is not None:
         visible = visible & key_padding_mask[:, None, None, :].bool()
@@ -95,6 +101,7 @@ def varlen_attention_reference(
     cu_seqlens_q: torch.Tensor,  # (batch + 1,) int32
     cu_seqlens_k: torch.Tensor,  # (batch + 1,) int32
     dropout_keep: torch.Tensor | None = None,  # (batch, H, max_seqlen_q, max_seqlen_k) bool
+    alibi_slopes: torch.Tensor | None = None,  # (H,) or (batch, H)
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence loop over `attention_reference`. Returns out (total_q, H, D) and lse (H, total_q)."""
@@ -105,7 +112,9 @@ def varlen_attention_reference(
         keep = None
         if dropout_keep is not None:
             keep = dropout_keep[b : b + 1, :, : cq[b + 1] - cq[b], : ck[b + 1] - ck[b]]
-        out, lse = attention_reference(q[None, qs], k[None, ks], v[None, ks], dropout_keep=keep, **kwargs)
+        slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        out, lse = attention_reference(q[None, qs], k[None, ks], v[None, ks], dropout_keep=keep, alibi_slopes=slopes,
+                                       **kwargs)
         outs.append(out[0])
         lses.append(lse[0])
     return torch.cat(outs, 0), torch.cat(lses, 1)

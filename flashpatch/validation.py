@@ -83,6 +83,24 @@ def check_attention_args(
     return AttnArgs(float(dropout_p), float(softmax_scale), left, right, float(softcap))
 
 
+def check_alibi_slopes(alibi_slopes, q: torch.Tensor, batch: int) -> None:
+    """None, or float32 slopes of shape (nheads,) or (batch, nheads) on q's device (flash-attn's contract)."""
+    if alibi_slopes is None:
+        return
+    nheads = q.shape[-2]
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+    if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}) (nheads, or batch x "
+                         f"nheads), got {tuple(alibi_slopes.shape)}")
+    if alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, q is on {q.device}")
+    if alibi_slopes.stride(-1) != 1:
+        raise ValueError(f"alibi_slopes must have a contiguous last dimension, got strides {alibi_slopes.stride()}")
+
+
 def check_unsupported(**arguments) -> None:
     """flash-attn arguments kept for its signature whose features flashpatch does not have: only None passes."""
     for name, value in arguments.items():

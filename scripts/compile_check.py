@@ -29,7 +29,7 @@ def signature(fn, dtype, constexprs):
         if name in constexprs:
             sig[name] = "constexpr"
         elif name.isupper():  # tensor arguments are upper-case by convention in these kernels
-            if name in ("LSE", "DELTA", "DQ_ACCUM"):
+            if name in ("LSE", "DELTA", "DQ_ACCUM", "ALIBI_SLOPES"):
                 sig[name] = "*fp32"
             elif name == "SEED_OFFSET":
                 sig[name] = "*i64"
@@ -58,9 +58,9 @@ def launch_hints(fn, constexprs):
             if name not in constexprs and name not in skip and (name.isupper() or name.startswith("stride_"))}
 
 
-def feature_constexprs(headdim, varlen=False, left=False, right=False, softcap=False, dropout=False):
+def feature_constexprs(headdim, varlen=False, left=False, right=False, softcap=False, dropout=False, alibi=False):
     """The feature flags every attention kernel takes (ops._common_flags at a launch), for 16-bit inputs."""
-    return dict(IS_VARLEN=varlen, HAS_LEFT=left, HAS_RIGHT=right, SOFTCAP=softcap, DROPOUT=dropout,
+    return dict(IS_VARLEN=varlen, HAS_LEFT=left, HAS_RIGHT=right, SOFTCAP=softcap, ALIBI=alibi, DROPOUT=dropout,
                 DOT_PRECISION="tf32", HEADDIM=headdim, BLOCK_D=triton.next_power_of_2(headdim))
 
 
@@ -91,13 +91,15 @@ def main():
     parser.add_argument("--arch", type=int, default=90)
     args = parser.parse_args()
     n = 0
-    # The launch configurations flashpatch really uses (kernels/config.py), for each feature combination.
-    for (dtype, headdim), varlen, left, right, softcap, dropout in itertools.product(
-        [("fp16", 128), ("bf16", 128), ("bf16", 64)], [False, True], [False, True], [False, True], [False, True],
-        [False, True]
-    ):
+    # The launch configurations flashpatch really uses (kernels/config.py), for each feature combination; ALiBi
+    # (its own loop: a bias added to the scores, orthogonal to softcap) in bf16 only.
+    plain = itertools.product([("fp16", 128), ("bf16", 128), ("bf16", 64)], [False, True], [False, True],
+                              [False, True], [False, True], [False, True], [False])
+    alibi = itertools.product([("bf16", 128), ("bf16", 64)], [False, True], [False, True], [False, True], [False],
+                              [False, True], [True])
+    for (dtype, headdim), varlen, left, right, softcap, dropout, with_alibi in itertools.chain(plain, alibi):
         cfgs = kernel_config.configs_for(headdim, True, masked=left or right, dropout=dropout, aligned=not varlen)
-        flags = feature_constexprs(headdim, varlen, left, right, softcap, dropout)
+        flags = feature_constexprs(headdim, varlen, left, right, softcap, dropout, with_alibi)
         # the forward tile for at most SHORT queries, where it differs
         short_fwd = kernel_config.configs_for(headdim, True, masked=left or right, dropout=dropout,
                                               aligned=not varlen, short=True).fwd
@@ -113,8 +115,8 @@ def main():
             n += 1
     compile_one(attn_bwd_preprocess_kernel, "bf16",
                 {"HEADDIM": 80, "BLOCK_D": 128, "BLOCK_M": 128, "IS_VARLEN": True}, args.arch)
-    fp32 = dict(IS_VARLEN=False, HAS_LEFT=True, HAS_RIGHT=True, SOFTCAP=True, DROPOUT=True, DOT_PRECISION="ieee",
-                HEADDIM=40, BLOCK_D=64)
+    fp32 = dict(IS_VARLEN=False, HAS_LEFT=True, HAS_RIGHT=True, SOFTCAP=True, ALIBI=True, DROPOUT=True,
+                DOT_PRECISION="ieee", HEADDIM=40, BLOCK_D=64)
     compile_one(attn_fwd_kernel, "fp32", {**fp32, "BLOCK_M": 64, "BLOCK_N": 32, "TMA": False, "BLOCKS_FASTEST": False,
                                           "HEAD_GROUP": 1, "EVEN": False, "EVEN_INTERIOR": False},
                 args.arch)

@@ -56,6 +56,33 @@ def test_training_sizes_match_float64(case, dtype):
     check_against_reference(out, grads, q, k, v, dout, **ref_kwargs)
 
 
+# ALiBi runs the Triton kernels only (the Gluon ones take no slopes): aligned d128 rows, ragged rows, dropout
+ALIBI_CASES = [
+    (2, 1024, 1024, 8, 2, 128, {"causal": True}),
+    (1, 1000, 1531, 4, 4, 64, {}),
+    (2, 1000, 1000, 4, 4, 128, {"dropout_p": 0.1, "causal": True}),  # atomic dQ
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ALIBI_CASES, ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-d{c[5]}-"
+                         + "-".join(f"{k}={v}" for k, v in c[6].items()))
+def test_alibi_matches_float64(case, dtype):
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, kwargs = case
+    torch.manual_seed(0)
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, device="cuda")
+    # ALiBi's geometric slopes, 2^-1 .. 2^-8 over the heads, scaled per sequence so the rows differ
+    slopes = 2.0 ** -torch.linspace(1, 8, nheads, device="cuda")
+    slopes = slopes[None, :] * torch.linspace(1.0, 0.5, batch, device="cuda")[:, None]  # (B, H)
+    out, _, pattern = flashpatch.flash_attn_func(q, k, v, alibi_slopes=slopes, return_attn_probs=True, **kwargs)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_kwargs = dict(kwargs, alibi_slopes=slopes)
+    if pattern is not None:
+        ref_kwargs["dropout_keep"] = pattern > 0
+    check_against_reference(out, grads, q, k, v, dout, **ref_kwargs)
+
+
 @pytest.mark.parametrize("atomic_dq", [False, True])
 def test_dq_strategies_bf16(atomic_dq):
     q, k, v = random_qkv(2, 1024, 1024, 8, 2, 128, torch.bfloat16, device="cuda")

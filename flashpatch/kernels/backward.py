@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from flashpatch.kernels.common import (
-    batch_head_and_block, dropout_head_rows, dropout_keep, dropout_keep_transposed, head_rows_desc,
+    alibi_bias, batch_head_and_block, dropout_head_rows, dropout_keep, dropout_keep_transposed, head_rows_desc,
     key_block_range, load_tile, query_block_program, query_block_range, seq_bounds, tanh, visible)
 
 
@@ -59,11 +59,11 @@ def _dkdv_inner(
     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptrs, delta_ptrs,
     stride_qs, stride_dos, stride_dqs,
     offs_n, n_start, offs_d, start_m, end_m, seqlen_q, seqlen_k, window_left, window_right,
-    qk_scale, cap_log2, softmax_scale, seed, offset, drop_head_rows, max_seqlen_k, dropout_p,
+    qk_scale, cap_log2, alibi_log2, softmax_scale, seed, offset, drop_head_rows, max_seqlen_k, dropout_p,
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, EVEN: tl.constexpr,
-    DP_FIRST: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    EVEN: tl.constexpr, DP_FIRST: tl.constexpr,
 ):
     """Query blocks [start_m, end_m) of one query head into (dk, dv) of this key block.
 
@@ -92,6 +92,8 @@ def _dkdv_inner(
             s_t = cap_log2 * t
         else:
             s_t = qk_t * qk_scale
+        if ALIBI:
+            s_t += alibi_bias(alibi_log2, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k)
         p_t = tl.exp2(s_t - lse[None, :] * 1.4426950408889634)  # (BN, BM), undropped probabilities
         if MASKED:
             ok = visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left, window_right,
@@ -127,7 +129,7 @@ def _dkdv_inner(
 
 @triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k", "window_left", "window_right", "stride_lse_b", "stride_lse_h"])
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ_ACCUM, DK, DV, SEED_OFFSET, CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS,
+    Q, K, V, DO, LSE, DELTA, DQ_ACCUM, DK, DV, SEED_OFFSET, CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS, ALIBI_SLOPES,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -135,12 +137,12 @@ def attn_bwd_dkdv_kernel(
     stride_dqb, stride_dqs, stride_dqh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    stride_lse_b, stride_lse_h,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
     nheads, nheads_k, group_size, max_seqlen_q, max_seqlen_k,
     qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
     HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr, BLOCKS_FASTEST: tl.constexpr, HEAD_GROUP: tl.constexpr, EVEN: tl.constexpr,
     EVEN_INTERIOR: tl.constexpr, DP_FIRST: tl.constexpr,
 ):
@@ -189,6 +191,9 @@ def attn_bwd_dkdv_kernel(
         lse_ptrs = LSE + off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m
         delta_ptrs = DELTA + off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m
         drop_head_rows = dropout_head_rows(off_b, nheads, off_h, max_seqlen_q)
+        alibi_log2 = 0.0
+        if ALIBI:  # this query head's slope
+            alibi_log2 = tl.load(ALIBI_SLOPES + off_b * stride_alibi_b + off_h) * 1.4426950408889634
         q_desc = None
         do_desc = None
         dq_desc = None
@@ -204,22 +209,22 @@ def attn_bwd_dkdv_kernel(
             dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptrs, delta_ptrs,
             stride_qs, stride_dos, stride_dqs,
             offs_n, n0, offs_d, lo, full_lo, seqlen_q, seqlen_k, window_left, window_right,
-            qk_scale, cap_log2, softmax_scale, seed, offset, drop_head_rows, max_seqlen_k, dropout_p,
-            HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION,
+            qk_scale, cap_log2, alibi_log2, softmax_scale, seed, offset, drop_head_rows, max_seqlen_k, dropout_p,
+            HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ATOMIC_DQ, DOT_PRECISION,
             TMA, EVEN, DP_FIRST)
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptrs, delta_ptrs,
             stride_qs, stride_dos, stride_dqs,
             offs_n, n0, offs_d, full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right,
-            qk_scale, cap_log2, softmax_scale, seed, offset, drop_head_rows, max_seqlen_k, dropout_p,
-            HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION,
+            qk_scale, cap_log2, alibi_log2, softmax_scale, seed, offset, drop_head_rows, max_seqlen_k, dropout_p,
+            HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ATOMIC_DQ, DOT_PRECISION,
             TMA, EVEN_INTERIOR, DP_FIRST)
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptrs, delta_ptrs,
             stride_qs, stride_dos, stride_dqs,
             offs_n, n0, offs_d, full_hi, hi, seqlen_q, seqlen_k, window_left, window_right,
-            qk_scale, cap_log2, softmax_scale, seed, offset, drop_head_rows, max_seqlen_k, dropout_p,
-            HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT, ATOMIC_DQ, DOT_PRECISION,
+            qk_scale, cap_log2, alibi_log2, softmax_scale, seed, offset, drop_head_rows, max_seqlen_k, dropout_p,
+            HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, ATOMIC_DQ, DOT_PRECISION,
             TMA, EVEN, DP_FIRST)
 
     dk = dk * softmax_scale
@@ -239,10 +244,10 @@ def attn_bwd_dkdv_kernel(
 def _dq_inner(
     dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs,
     offs_m, offs_d, start_n, end_n, seqlen_q, seqlen_k, window_left, window_right,
-    qk_scale, cap_log2, seed, offset, drop_rows, max_seqlen_k, dropout_p,
+    qk_scale, cap_log2, alibi_log2, seed, offset, drop_rows, max_seqlen_k, dropout_p,
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, EVEN: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, EVEN: tl.constexpr,
 ):
     inv_keep = 1.0 / (1.0 - dropout_p)
     zero64 = tl.zeros((), dtype=tl.int64)  # loop offsets times strides in 64 bits
@@ -261,6 +266,8 @@ def _dq_inner(
             s = cap_log2 * t
         else:
             s = qk * qk_scale
+        if ALIBI:
+            s += alibi_bias(alibi_log2, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k)
         p = tl.exp2(s - lse_log2[:, None])
         if MASKED:
             ok = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right,
@@ -279,18 +286,18 @@ def _dq_inner(
 
 @triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k", "window_left", "window_right", "stride_lse_b", "stride_lse_h"])
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, SEED_OFFSET, CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS,
+    Q, K, V, DO, LSE, DELTA, DQ, SEED_OFFSET, CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS, ALIBI_SLOPES,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dqb, stride_dqs, stride_dqh,
-    stride_lse_b, stride_lse_h,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
     nheads, group_size, max_seqlen_q, max_seqlen_k,
     qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
     HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     BLOCKS_FASTEST: tl.constexpr, HEAD_GROUP: tl.constexpr, EVEN: tl.constexpr, EVEN_INTERIOR: tl.constexpr,
 ):
     off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, m0 = query_block_program(
@@ -330,24 +337,25 @@ def attn_bwd_dq_kernel(
         seed = tl.load(SEED_OFFSET)
         offset = tl.load(SEED_OFFSET + 1)
     drop_rows = dropout_head_rows(off_b, nheads, off_h, max_seqlen_q) + m0 // 2  # this query block's counters
+    alibi_log2 = 0.0
+    if ALIBI:
+        alibi_log2 = tl.load(ALIBI_SLOPES + off_b * stride_alibi_b + off_h) * 1.4426950408889634
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     lo, full_lo, full_hi, hi = key_block_range(
         m0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d,
-                   lo, full_lo, seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset,
-                   drop_rows,
-                   max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                   DROPOUT, DOT_PRECISION, TMA, EVEN)
+                   lo, full_lo, seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, alibi_log2,
+                   seed, offset, drop_rows, max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT,
+                   HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PRECISION, TMA, EVEN)
     dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d,
-                   full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset,
-                   drop_rows, max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
-                   SOFTCAP, DROPOUT, DOT_PRECISION, TMA, EVEN_INTERIOR)
+                   full_lo, full_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, alibi_log2,
+                   seed, offset, drop_rows, max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT,
+                   HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PRECISION, TMA, EVEN_INTERIOR)
     dq = _dq_inner(dq, q, do, lse_log2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d,
-                   full_hi, hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset,
-                   drop_rows,
-                   max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                   DROPOUT, DOT_PRECISION, TMA, EVEN)
+                   full_hi, hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, alibi_log2,
+                   seed, offset, drop_rows, max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT,
+                   HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, DOT_PRECISION, TMA, EVEN)
     dq = dq * softmax_scale
     tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + rows * stride_dqs + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=mask)

@@ -165,6 +165,13 @@ def query_block_range(
 
 
 @triton.jit
+def alibi_bias(alibi_log2, offs_m, offs_n, seqlen_q, seqlen_k):
+    """ALiBi's -slope * |i + Sk - Sq - j| in log2 units (alibi_log2 = slope * log2(e)): bottom-right aligned like
+    the masks, so the diagonal of a causal mask has no bias (offs_m, offs_n already broadcast to 2-D)."""
+    return -alibi_log2 * tl.abs(offs_m + (seqlen_k - seqlen_q) - offs_n).to(tl.float32)
+
+
+@triton.jit
 def visible(
     offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,

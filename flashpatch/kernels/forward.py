@@ -10,17 +10,18 @@ import triton
 import triton.language as tl
 
 from flashpatch.kernels.common import (
-    dropout_head_rows, dropout_keep, head_rows_desc, key_block_range, load_tile, query_block_program, tanh, visible)
+    alibi_bias, dropout_head_rows, dropout_keep, head_rows_desc, key_block_range, load_tile, query_block_program, tanh,
+    visible)
 
 
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs,
     offs_m, offs_d, start_n, end_n, seqlen_q, seqlen_k, window_left, window_right,
-    qk_scale, cap_log2, seed, offset, drop_rows, max_seqlen_k, dropout_p,
+    qk_scale, cap_log2, alibi_log2, seed, offset, drop_rows, max_seqlen_k, dropout_p,
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, EVEN: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, EVEN: tl.constexpr,
 ):
     zero64 = tl.zeros((), dtype=tl.int64)  # loop offsets times strides in 64 bits
     for start in range(start_n, end_n, BLOCK_N):
@@ -35,6 +36,8 @@ def _fwd_inner(
             s = cap_log2 * tanh(qk * qk_scale)  # log2 units
         else:
             s = qk * qk_scale
+        if ALIBI:
+            s += alibi_bias(alibi_log2, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k)
         if MASKED:
             ok = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right,
                          HAS_LEFT, HAS_RIGHT)
@@ -58,17 +61,17 @@ def _fwd_inner(
 
 @triton.jit(do_not_specialize=["max_seqlen_q", "max_seqlen_k", "window_left", "window_right", "stride_lse_b", "stride_lse_h"])
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, SEED_OFFSET, CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS,
+    Q, K, V, O, LSE, SEED_OFFSET, CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS, ALIBI_SLOPES,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
-    stride_lse_b, stride_lse_h,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
     nheads, group_size, max_seqlen_q, max_seqlen_k,
     qk_scale, cap_log2, dropout_p, window_left, window_right,
     HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr, BLOCKS_FASTEST: tl.constexpr, HEAD_GROUP: tl.constexpr, EVEN: tl.constexpr,
     EVEN_INTERIOR: tl.constexpr,
 ):
@@ -106,6 +109,9 @@ def attn_fwd_kernel(
         seed = tl.load(SEED_OFFSET)
         offset = tl.load(SEED_OFFSET + 1)
     drop_rows = dropout_head_rows(off_b, nheads, off_h, max_seqlen_q) + m0 // 2  # this query block's counters
+    alibi_log2 = 0.0
+    if ALIBI:  # the head's slope; (nheads,) slopes have batch stride 0
+        alibi_log2 = tl.load(ALIBI_SLOPES + off_b * stride_alibi_b + off_h) * 1.4426950408889634
 
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -118,18 +124,18 @@ def attn_fwd_kernel(
     # ragged or varlen sequence needs them.
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, lo, full_lo,
-        seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_rows,
-        max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT,
+        seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, alibi_log2, seed, offset, drop_rows,
+        max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
         DOT_PRECISION, TMA, EVEN)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, full_lo, full_hi,
-        seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_rows,
-        max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT,
+        seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, alibi_log2, seed, offset, drop_rows,
+        max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
         DOT_PRECISION, TMA, EVEN_INTERIOR)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, full_hi, hi,
-        seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, seed, offset, drop_rows,
-        max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, DROPOUT,
+        seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, alibi_log2, seed, offset, drop_rows,
+        max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
         DOT_PRECISION, TMA, EVEN)
 
     empty = l_i == 0.0  # the row sees no key: output 0, LSE +inf (so backward recomputes P = 0)
