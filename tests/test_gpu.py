@@ -40,13 +40,18 @@ GRID = [
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", GRID, ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-d{c[5]}-"
-                         + "-".join(f"{k}={v}" for k, v in c[6].items()))
-def test_training_sizes_match_float64(case, dtype):
+def _case_id(case):
+    return (f"b{case[0]}-q{case[1]}-k{case[2]}-h{case[3]}:{case[4]}-d{case[5]}-"
+            + "-".join(f"{k}={v}" for k, v in case[6].items()))
+
+
+def _check_case(case, dtype, make_slopes=None):
+    """One GRID-style case in `dtype` against float64; make_slopes(batch, nheads) adds ALiBi slopes."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, kwargs = case
     torch.manual_seed(0)
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, device="cuda")
+    if make_slopes is not None:
+        kwargs = dict(kwargs, alibi_slopes=make_slopes(batch, nheads))
     out, _, pattern = flashpatch.flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -54,6 +59,12 @@ def test_training_sizes_match_float64(case, dtype):
     if pattern is not None:
         ref_kwargs["dropout_keep"] = pattern > 0
     check_against_reference(out, grads, q, k, v, dout, **ref_kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", GRID, ids=_case_id)
+def test_training_sizes_match_float64(case, dtype):
+    _check_case(case, dtype)
 
 
 # ALiBi runs the Triton kernels only (the Gluon ones take no slopes): aligned d128 rows, ragged rows, dropout
@@ -64,23 +75,16 @@ ALIBI_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", ALIBI_CASES, ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-d{c[5]}-"
-                         + "-".join(f"{k}={v}" for k, v in c[6].items()))
-def test_alibi_matches_float64(case, dtype):
-    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, kwargs = case
-    torch.manual_seed(0)
-    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, device="cuda")
-    # ALiBi's geometric slopes, 2^-1 .. 2^-8 over the heads, scaled per sequence so the rows differ
+def _geometric_slopes(batch, nheads):
+    """ALiBi's geometric slopes, 2^-1 .. 2^-8 over the heads, scaled per sequence so the rows differ: (B, H)."""
     slopes = 2.0 ** -torch.linspace(1, 8, nheads, device="cuda")
-    slopes = slopes[None, :] * torch.linspace(1.0, 0.5, batch, device="cuda")[:, None]  # (B, H)
-    out, _, pattern = flashpatch.flash_attn_func(q, k, v, alibi_slopes=slopes, return_attn_probs=True, **kwargs)
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    ref_kwargs = dict(kwargs, alibi_slopes=slopes)
-    if pattern is not None:
-        ref_kwargs["dropout_keep"] = pattern > 0
-    check_against_reference(out, grads, q, k, v, dout, **ref_kwargs)
+    return slopes[None, :] * torch.linspace(1.0, 0.5, batch, device="cuda")[:, None]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ALIBI_CASES, ids=_case_id)
+def test_alibi_matches_float64(case, dtype):
+    _check_case(case, dtype, make_slopes=_geometric_slopes)
 
 
 @pytest.mark.parametrize("atomic_dq", [False, True])
