@@ -4,12 +4,13 @@
     python recipes/bench_attention.py --dtype bf16 --out runs/bench_attention
 
 Cases: dense full and causal at head dim 64 and 128 (B·N = 16k tokens, H·D = 2048), GQA (4 query heads per K/V
-head), dropout p = 0.1, and varlen: document lengths log-uniform in 64..4096 totalling 64k tokens, causal, where
-flashpatch and FlexAttention (document mask) see the packed documents and SDPA sees them padded to the longest
-(right padding + is_causal: the pad never reaches a real token, so its fastest backends apply; the pad's work is
-SDPA's cost of not unpadding). Each cell is fwd / bwd / fwd+bwd TFLOP/s with FLOPs = 4·B·H·Sq·Sk·D for fwd
-(halved for causal; varlen sums the real documents), bwd = 2.5 × fwd, fwd+bwd = 3.5 × fwd; times are medians of
-triton.testing.do_bench. A peer that refuses a case shows "n/a" and the reason goes to the JSON.
+head), dropout p = 0.1, ALiBi (SDPA gets it as a float mask, FlexAttention as a score_mod), and varlen: document
+lengths log-uniform in 64..4096 totalling 64k tokens, causal, where flashpatch and FlexAttention (document mask) see
+the packed documents and SDPA sees them padded to the longest (right padding + is_causal: the pad never reaches a
+real token, so its fastest backends apply; the pad's work is SDPA's cost of not unpadding). Each cell is fwd / bwd /
+fwd+bwd TFLOP/s with FLOPs = 4·B·H·Sq·Sk·D for fwd (halved for causal; varlen sums the real documents), bwd = 2.5 ×
+fwd, fwd+bwd = 3.5 × fwd; times are medians of triton.testing.do_bench. A peer that refuses a case shows "n/a" and
+the reason goes to the JSON.
 Writes <out>/bench_attention.json and bench_attention.png, then prints the markdown table last. GPU only.
 """
 
@@ -43,6 +44,7 @@ class Case:
     causal: bool
     dropout: float = 0.0
     doc_lens: list[int] = field(default_factory=list)  # varlen only: the documents, packed
+    alibi: bool = False  # ALiBi with the standard slopes (`alibi_slopes`); FLOPs count as without it
 
     @property
     def varlen(self) -> bool:
@@ -98,9 +100,25 @@ def build_cases(quick: bool, seqlens: tuple[int, ...] | None = None) -> list[Cas
     for n in (4096,) if quick else (2048, 8192):
         cases.append(Case(f"d128 causal GQA 16/4 N={n}", tokens // n, 16, 4, n, 128, True))
         cases.append(Case(f"d128 causal dropout0.1 N={n}", tokens // n, 16, 16, n, 128, True, dropout=0.1))
+    cases.append(Case("d128 causal ALiBi N=4096", 4, 16, 16, 4096, 128, True, alibi=True))
     lens = varlen_lengths()
     cases.append(Case(f"d128 varlen {len(lens)} docs 64..4096", len(lens), 16, 16, max(lens), 128, True, 0.0, lens))
     return cases
+
+
+def alibi_slopes(nheads: int, device) -> torch.Tensor:
+    """(H,) float32: ALiBi's slopes 2^(-8 (h + 1) / H), the geometric sequence of its paper for H a power of two."""
+    return torch.exp2(-8.0 * torch.arange(1, nheads + 1, device=device, dtype=torch.float32) / nheads)
+
+
+def alibi_bias(case: Case, dtype, device) -> torch.Tensor:
+    """(1, H, S, S) additive mask for SDPA: -slope * |i - j|, and -inf above the diagonal when causal."""
+    pos = torch.arange(case.seqlen, device=device)
+    dist = (pos[:, None] - pos[None, :]).abs().float()  # (S, S)
+    bias = -alibi_slopes(case.heads, device)[:, None, None] * dist  # (H, S, S)
+    if case.causal:
+        bias = bias.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+    return bias[None].to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -132,7 +150,9 @@ def make_fpatch(case: Case, dtype, device):
     q = _rand(case.batch, case.seqlen, case.heads, d, dtype=dtype, device=device)  # (B, S, H, D)
     k = _rand(case.batch, case.seqlen, case.kv_heads, d, dtype=dtype, device=device)
     v = _rand(case.batch, case.seqlen, case.kv_heads, d, dtype=dtype, device=device)
-    return (lambda: flashpatch.flash_attn_func(q, k, v, dropout_p=case.dropout, causal=case.causal)), [q, k, v]
+    slopes = alibi_slopes(case.heads, device) if case.alibi else None
+    return (lambda: flashpatch.flash_attn_func(q, k, v, dropout_p=case.dropout, causal=case.causal,
+                                               alibi_slopes=slopes)), [q, k, v]
 
 
 def make_sdpa(backend_name: str):
@@ -145,11 +165,14 @@ def make_sdpa(backend_name: str):
         k = _rand(case.batch, case.kv_heads, case.seqlen, case.head_dim, dtype=dtype, device=device)
         v = _rand(case.batch, case.kv_heads, case.seqlen, case.head_dim, dtype=dtype, device=device)
         gqa = case.kv_heads != case.heads
+        # ALiBi reaches SDPA as a float mask that also carries the causal mask (SDPA takes one or the other)
+        bias = alibi_bias(case, dtype, device) if case.alibi else None
+        causal = case.causal and bias is None
 
         def fn():
             with sdpa_kernel(backend):
                 return torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, dropout_p=case.dropout, is_causal=case.causal, enable_gqa=gqa
+                    q, k, v, attn_mask=bias, dropout_p=case.dropout, is_causal=causal, enable_gqa=gqa
                 )
 
         return fn, [q, k, v]
@@ -197,7 +220,13 @@ def make_flex(case: Case, dtype, device):
     k = _rand(batch, case.kv_heads, seqlen, case.head_dim, dtype=dtype, device=device)
     v = _rand(batch, case.kv_heads, seqlen, case.head_dim, dtype=dtype, device=device)
     gqa = case.kv_heads != case.heads
-    return (lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)), [q, k, v]
+    slopes = alibi_slopes(case.heads, device)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    score_mod = alibi if case.alibi else None
+    return (lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)), [q, k, v]
 
 
 MAKERS = {
@@ -277,10 +306,12 @@ def check_fpatch(case: Case, dtype) -> float | None:
     b = min(case.batch, 2)
     q, k, v = (torch.randn(b, case.seqlen, h, case.head_dim, device="cuda", dtype=dtype, generator=gen)
                for h in (case.heads, case.kv_heads, case.kv_heads))
-    out = flashpatch.flash_attn_func(q, k, v, causal=case.causal)
+    slopes = alibi_slopes(case.heads, "cuda") if case.alibi else None
+    out = flashpatch.flash_attn_func(q, k, v, causal=case.causal, alibi_slopes=slopes)
+    bias = alibi_bias(case, dtype, "cuda") if case.alibi else None
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=case.causal,
-        enable_gqa=case.kv_heads != case.heads,
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias,
+        is_causal=case.causal and bias is None, enable_gqa=case.kv_heads != case.heads,
     ).transpose(1, 2)
     return (out.float() - ref.float()).abs().max().item()
 
