@@ -61,11 +61,6 @@ def _scales(softmax_scale: float, softcap: float) -> tuple[float, float]:
     return softmax_scale * LOG2E, 0.0
 
 
-def _alibi_stride(alibi_slopes: Optional[torch.Tensor]) -> int:
-    """Batch stride of the slopes: (nheads,) slopes serve every sequence (stride 0), (batch, nheads) one row each."""
-    return alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
-
-
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs are computed in fp32 ("ieee"), not TF32: exact parity tests rely on it.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -273,10 +268,11 @@ def attn_fwd_impl(
     if out.numel() == 0:
         return out, lse
     cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p)
-    if cfgs.gluon_fwd and alibi_slopes is None and hopper_fwd.supported(  # the Gluon kernel where it applies
+    if cfgs.gluon_fwd and hopper_fwd.supported(  # the Gluon kernel where it applies
             q, k, v, varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
             window_right=window_right, softcap=softcap, dropout_p=dropout_p):
-        hopper_fwd.attn_fwd(q, k, v, out, lse, _scales(softmax_scale, softcap)[0], causal=window_right == 0)
+        hopper_fwd.attn_fwd(q, k, v, out, lse, _scales(softmax_scale, softcap)[0], causal=window_right == 0,
+                            alibi_slopes=alibi_slopes)
         return out, lse
     cfg = cfgs.fwd
     tma = cfg.tma and tma_usable(headdim, q, k, v, out)
@@ -288,7 +284,7 @@ def attn_fwd_impl(
     attn_fwd_kernel[grid](
         q, k, v, out, lse, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes,
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen), *_seq_strides(out, varlen),
-        *_lse_strides(lse, varlen), _alibi_stride(alibi_slopes),
+        *_lse_strides(lse, varlen), hopper_common.alibi_batch_stride(alibi_slopes),
         nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
         qk_scale, cap_log2, dropout_p, window_left, window_right,
         HEADDIM=headdim, BLOCK_D=triton.next_power_of_2(headdim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -368,14 +364,12 @@ def attn_bwd_impl(
     atomic_dq = cfgs.atomic_dq and not deterministic
     # fp32 accumulator for atomic dQ; otherwise dQ gets its own pass and the pointer is unused.
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else dq
-    # The Gluon Hopper kernels take the calls in their scope (hopper_common.sm90_dense_ok; no ALiBi), the Triton
-    # ones the rest
+    # The Gluon Hopper kernels take the calls in their scope (hopper_common.sm90_dense_ok), the Triton ones the rest
     gluon_scope = dict(varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
                        window_right=window_right, softcap=softcap, dropout_p=dropout_p)
     causal = window_right == 0
-    gluon_dkdv = cfgs.gluon_dkdv and not atomic_dq and alibi_slopes is None
-    if gluon_dkdv and hopper_dkdv.supported(q, k, v, dout, **gluon_scope):
-        hopper_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal)
+    if cfgs.gluon_dkdv and not atomic_dq and hopper_dkdv.supported(q, k, v, dout, **gluon_scope):
+        hopper_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal, alibi_slopes)
     else:
         c = cfgs.bwd_dkdv
         tma_dkdv = c.tma and tma_usable(headdim, q, k, v, dout, dq_accum, dk, dv)
@@ -388,7 +382,7 @@ def attn_bwd_impl(
             alibi_slopes,
             *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
             *_seq_strides(dout, varlen), *_seq_strides(dq_accum, varlen), *_seq_strides(dk, varlen),
-            *_seq_strides(dv, varlen), *_lse_strides(lse, varlen), _alibi_stride(alibi_slopes),
+            *_seq_strides(dv, varlen), *_lse_strides(lse, varlen), hopper_common.alibi_batch_stride(alibi_slopes),
             nheads, nheads_k, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
             qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
             HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq,
@@ -400,9 +394,9 @@ def attn_bwd_impl(
         )
     if atomic_dq:
         dq.copy_(dq_accum)
-    elif cfgs.gluon_dq and alibi_slopes is None and hopper_dq.supported(q, k, v, dout, **gluon_scope):
+    elif cfgs.gluon_dq and hopper_dq.supported(q, k, v, dout, **gluon_scope):
         hopper_dq.attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale, softmax_scale, causal, seed_offset=seed_offset,
-                              dropout_p=dropout_p)
+                              dropout_p=dropout_p, alibi_slopes=alibi_slopes)
     else:
         c = cfgs.bwd_dq
         tma_dq = c.tma and tma_usable(headdim, k, v)  # not atomic_dq: that branch is taken above
@@ -414,7 +408,7 @@ def attn_bwd_impl(
             q, k, v, dout, lse, delta, dq, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes,
             *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
             *_seq_strides(dout, varlen), *_seq_strides(dq, varlen), *_lse_strides(lse, varlen),
-            _alibi_stride(alibi_slopes),
+            hopper_common.alibi_batch_stride(alibi_slopes),
             nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
             qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
             HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, TMA=tma_dq,

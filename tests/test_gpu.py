@@ -67,7 +67,8 @@ def test_training_sizes_match_float64(case, dtype):
     _check_case(case, dtype)
 
 
-# ALiBi runs the Triton kernels only (the Gluon ones take no slopes): aligned d128 rows, ragged rows, dropout
+# ALiBi on the kernels the dispatch picks (the aligned d128 rows run the Gluon ones on sm_90; ragged rows and dropout
+# the Triton ones); test_gluon_kernels_alibi_match_float64 forces the Gluon kernels
 ALIBI_CASES = [
     (2, 1024, 1024, 8, 2, 128, {"causal": True}),
     (1, 1000, 1531, 4, 4, 64, {}),
@@ -129,13 +130,38 @@ GLUON_CASES = [
 ]
 
 
-@pytest.mark.skipif(not (hopper_common.enabled() and torch.cuda.is_available()
-                         and torch.cuda.get_device_capability() == (9, 0)),
-                    reason="the Gluon kernels are for sm_90 with the Triton release they were checked on")
+# ALiBi in the Gluon kernels: GQA (the dK/dV program steps over its group's query heads, each with its own slope),
+# Sq != Sk both ways (the bias is bottom-right aligned like the mask), (B, H, S, D) memory, head dim 64, no mask
+GLUON_ALIBI_CASES = GLUON_CASES[:6]
+
+
+def _gluon_id(case):
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order = case
+    return f"b{batch}-q{seqlen_q}-k{seqlen_k}-h{nheads}:{nheads_k}-d{headdim}-{'causal' if causal else 'full'}-{order}"
+
+needs_gluon = pytest.mark.skipif(
+    not (hopper_common.enabled() and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="the Gluon kernels are for sm_90 with the Triton release they were checked on")
+
+
+@needs_gluon
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-d{c[5]}-"
-                         f"{'causal' if c[6] else 'full'}-{c[7]}")
+@pytest.mark.parametrize("case", GLUON_CASES, ids=_gluon_id)
 def test_gluon_kernels_match_float64(case, dtype, monkeypatch):
+    _check_gluon_case(case, dtype, monkeypatch)
+
+
+@needs_gluon
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", GLUON_ALIBI_CASES, ids=_gluon_id)
+def test_gluon_kernels_alibi_match_float64(case, dtype, monkeypatch):
+    # (batch, nheads) slopes where the batch has two sequences, (nheads,) slopes (batch stride 0) where it has one
+    _check_gluon_case(case, dtype, monkeypatch,
+                      make_slopes=lambda b, h: _geometric_slopes(b, h) if b > 1 else _geometric_slopes(1, h)[0])
+
+
+def _check_gluon_case(case, dtype, monkeypatch, make_slopes=None):
+    """A GLUON_CASES case, asserting that all three Gluon kernels ran; make_slopes(batch, nheads) adds ALiBi."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order = case
     calls = []
     for module, name in ((hopper_fwd, "attn_fwd"), (hopper_dkdv, "attn_bwd_dkdv"), (hopper_dq, "attn_bwd_dq")):
@@ -151,28 +177,31 @@ def test_gluon_kernels_match_float64(case, dtype, monkeypatch):
     torch.manual_seed(0)
     q, k, v = (tensor(n, h).requires_grad_() for n, h in ((seqlen_q, nheads), (seqlen_k, nheads_k),
                                                            (seqlen_k, nheads_k)))
+    kwargs = {"causal": causal}
+    if make_slopes is not None:
+        kwargs["alibi_slopes"] = make_slopes(batch, nheads)
     with kernel_config.override(gluon_fwd=True, gluon_dkdv=True, gluon_dq=True):
-        out = flashpatch.flash_attn_func(q, k, v, causal=causal)
+        out = flashpatch.flash_attn_func(q, k, v, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
     assert sorted(calls) == ["attn_bwd_dkdv", "attn_bwd_dq", "attn_fwd"], calls
-    check_against_reference(out, grads, q, k, v, dout, causal=causal)
+    check_against_reference(out, grads, q, k, v, dout, **kwargs)
 
 
-@pytest.mark.skipif(not (hopper_common.enabled() and torch.cuda.is_available()
-                         and torch.cuda.get_device_capability() == (9, 0)),
-                    reason="the Gluon kernels are for sm_90 with the Triton release they were checked on")
+@needs_gluon
 @pytest.mark.parametrize("case", [
-    (2, 1024, 1024, 8, 2, 128, True, 0.1),
-    (1, 640, 1152, 4, 4, 128, True, 0.2),  # Sq < Sk, bottom-right causal
-    (2, 512, 1024, 4, 1, 128, False, 0.1),
-    (1, 1024, 2048, 2, 1, 64, False, 0.3),  # head dim 64
-], ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-d{c[5]}-{'causal' if c[6] else 'full'}-p{c[7]}")
+    (2, 1024, 1024, 8, 2, 128, True, 0.1, False),
+    (1, 640, 1152, 4, 4, 128, True, 0.2, False),  # Sq < Sk, bottom-right causal
+    (2, 512, 1024, 4, 1, 128, False, 0.1, False),
+    (1, 1024, 2048, 2, 1, 64, False, 0.3, False),  # head dim 64
+    (2, 1024, 1024, 8, 2, 128, True, 0.1, True),  # with ALiBi
+], ids=lambda c: (f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-d{c[5]}-{'causal' if c[6] else 'full'}-p{c[7]}"
+                  + ("-alibi" if c[8] else "")))
 def test_gluon_dq_dropout_matches_float64_bf16(case, monkeypatch):
     # The Gluon dQ draws common.dropout_keep's bits in the wgmma accumulator layout (hopper_dq.dropout_keep_acc):
     # the pattern that the separate dropout_mask kernel writes must be the one it applied. The forward and dK/dV
     # with dropout are the Triton kernels'.
-    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, p = case
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, p, alibi = case
     calls = []
     for module, name in ((hopper_fwd, "attn_fwd"), (hopper_dq, "attn_bwd_dq")):
         launch = getattr(module, name)
@@ -180,12 +209,15 @@ def test_gluon_dq_dropout_matches_float64_bf16(case, monkeypatch):
             (_name, kw.get("dropout_p"))) or _launch(*a, **kw))
     torch.manual_seed(0)
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, torch.bfloat16, device="cuda")
+    kwargs = {"dropout_p": p, "causal": causal}
+    if alibi:
+        kwargs["alibi_slopes"] = _geometric_slopes(batch, nheads)
     with kernel_config.override(gluon_fwd=True, gluon_dq=True, atomic_dq=False):
-        out, _, pattern = flashpatch.flash_attn_func(q, k, v, dropout_p=p, causal=causal, return_attn_probs=True)
+        out, _, pattern = flashpatch.flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
     assert calls == [("attn_bwd_dq", p)]
-    check_against_reference(out, grads, q, k, v, dout, dropout_p=p, causal=causal, dropout_keep=pattern > 0)
+    check_against_reference(out, grads, q, k, v, dout, dropout_keep=pattern > 0, **kwargs)
 
 
 def test_misaligned_layout_falls_back_to_pointer_tiles_bf16():

@@ -1,5 +1,6 @@
 """What the Gluon Hopper kernels (hopper_fwd.py, hopper_dkdv.py, hopper_dq.py) share on the host: whether Gluon imports, which
-calls they may take, and the 2-D TMA views of (B, S, H, D) tensors they load from."""
+calls they may take, the 2-D TMA views of (B, S, H, D) tensors they load from, and the ALiBi slopes' batch stride
+(which the Triton launches in ops.py pass too)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,12 @@ def sm90_dense_ok(*tensors: torch.Tensor, varlen: bool, window_left: int, window
     if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128):
         return False
     return all(rows_view(t) is not None and t.data_ptr() % 16 == 0 and t.numel() < 2**31 for t in tensors)
+
+
+def alibi_batch_stride(alibi_slopes) -> int:
+    """The slopes' stride between sequences: 0 for None or (nheads,) slopes (one row for every sequence), else
+    that of the (batch, nheads) tensor; the kernels read the slope of (b, h) at b * stride + h."""
+    return alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
 
 
 def descriptor(t: torch.Tensor, block_rows: int):

@@ -18,8 +18,9 @@ flight into the next made ptxas serialize the matmuls (warning C7515) and measur
 
 The steps run over the query heads of the program's GQA group and, within a head, over the query blocks that see
 the program's keys. Scope, checked by `supported`: dense rows whose lengths divide the tiles, bf16/fp16, head dim
-64 or 128, causal (bottom-right aligned) or no mask, no window, softcap or dropout. Everything else, and every
-machine that is not sm_90 with Gluon, keeps the Triton kernel.
+64 or 128, causal (bottom-right aligned) or no mask, ALiBi slopes or none (each step takes its query head's slope),
+no window, softcap or dropout. Everything else, and every machine that is not sm_90 with Gluon, keeps the Triton
+kernel.
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ import triton
 
 from flashpatch.kernels.common import head_and_block
 from flashpatch.kernels.config import head_group
-from flashpatch.kernels.hopper_common import AVAILABLE, descriptor, sm90_dense_ok, tma_load
+from flashpatch.kernels.hopper_common import AVAILABLE, alibi_batch_stride, descriptor, sm90_dense_ok, tma_load
 
 if AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+
+    from flashpatch.kernels.hopper_fwd import alibi_bias, head_slope_log2
 
 BLOCK_M = {64: 64, 128: 64}  # queries per step, by head dim
 HALF_N = 64  # keys per consumer warpgroup
@@ -74,10 +77,10 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
-                  LSE, DELTA, DK, DV, lse_base, lse_per_head, dk_base, stride_dks, dv_base, stride_dvs,
-                  n0, shift, m_lo, n_mblocks, total, qk_scale, softmax_scale,
+                  LSE, DELTA, DK, DV, ALIBI_SLOPES, lse_base, lse_per_head, dk_base, stride_dks, dv_base, stride_dvs,
+                  alibi_base, n0, shift, m_lo, n_mblocks, total, qk_scale, softmax_scale,
                   WG: gl.constexpr, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                  HALF_N: gl.constexpr, STAGES: gl.constexpr):
+                  HALF_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])  # (keys, queries)
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -101,6 +104,7 @@ if AVAILABLE:
             rows = lse_base + g * lse_per_head + m0 + offs_m
             lse_log2 = gl.load(LSE + rows) * LOG2E  # (BM,) issued early: used after the Sᵀ matmul
             delta = gl.load(DELTA + rows)
+            alibi_log2 = head_slope_log2(ALIBI_SLOPES, alibi_base + g, ALIBI)  # the step's query head's slope
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
             q_s = q_bufs.index(s)  # (BM, D)
             do_s = do_bufs.index(s)
@@ -109,7 +113,10 @@ if AVAILABLE:
             s_t = warpgroup_mma_wait(1, deps=(s_t, ))
             # the previous step's stage can be refilled: its matmuls were waited for at the end of that step
             mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
-            p_t = gl.exp2(s_t * qk_scale - lse_log2[None, :])
+            scores_t = s_t * qk_scale  # log2 units
+            if ALIBI:
+                scores_t += alibi_bias(alibi_log2, (m0 + shift) + offs_m[None, :], offs_n[:, None])
+            p_t = gl.exp2(scores_t - lse_log2[None, :])
             if CAUSAL:  # bottom-right aligned: key n is visible from query m when n <= m + Sk - Sq
                 p_t = gl.where(offs_n[:, None] <= (m0 + shift) + offs_m[None, :], p_t, 0.0)
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
@@ -128,12 +135,12 @@ if AVAILABLE:
 
     @gluon.jit
     def attn_bwd_dkdv_hopper_kernel(
-        q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV,
+        q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, ALIBI_SLOPES,
         q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
         stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lse_b, stride_lse_h,
-        nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+        stride_alibi_b, nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
-        STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr,
+        STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr,
     ):
         BLOCK_N: gl.constexpr = 2 * HALF_N
         num_n = gl.cdiv(seqlen_k, BLOCK_N)
@@ -166,15 +173,16 @@ if AVAILABLE:
         lse_base = off_b * stride_lse_b + off_h0 * stride_lse_h
         dk_base = off_b * stride_dkb + off_hk * stride_dkh
         dv_base = off_b * stride_dvb + off_hk * stride_dvh
+        alibi_base = off_b * stride_alibi_b + off_h0  # the slopes of the GQA group's query heads follow
         gl.warp_specialize([
-            (_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
+            (_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV, ALIBI_SLOPES,
                          lse_base, stride_lse_h, dk_base, stride_dks, dv_base, stride_dvs,
-                         n0, shift, m_lo, n_mblocks, total, qk_scale, softmax_scale,
-                         0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES)),
-            (_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV,
+                         alibi_base, n0, shift, m_lo, n_mblocks, total, qk_scale, softmax_scale,
+                         0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI)),
+            (_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV, ALIBI_SLOPES,
                          lse_base, stride_lse_h, dk_base, stride_dks, dv_base, stride_dvs,
-                         n0, shift, m_lo, n_mblocks, total, qk_scale, softmax_scale,
-                         1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES)),
+                         alibi_base, n0, shift, m_lo, n_mblocks, total, qk_scale, softmax_scale,
+                         1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
                          off_b * q_rows[0] + off_h0 * q_rows[1], q_rows[1], off_h0 * q_cols, q_cols,
                          off_b * do_rows[0] + off_h0 * do_rows[1], do_rows[1], off_h0 * do_cols, do_cols,
@@ -195,9 +203,11 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
     return max_seqlen_q % BLOCK_M[q.shape[-1]] == 0 and max_seqlen_k % BLOCK_N == 0
 
 
-def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_scale: float, causal: bool) -> None:
+def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_scale: float, causal: bool,
+                  alibi_slopes=None) -> None:
     """dK, dV (written into dk, dv) for a call `supported` accepted. q, dout: (B, Sq, H, D); k, v: (B, Sk, Hk, D);
-    lse, delta: (B, H, Sq) fp32 (natural-log LSE); qk_scale = softmax_scale * log2(e)."""
+    lse, delta: (B, H, Sq) fp32 (natural-log LSE); qk_scale = softmax_scale * log2(e); alibi_slopes: None or
+    float32 (H,) / (B, H)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     block_m = BLOCK_M[headdim]
@@ -207,12 +217,12 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     v_desc, v_rows, v_cols = descriptor(v, BLOCK_N)
     grid = (batch * nheads_k * triton.cdiv(seqlen_k, BLOCK_N),)
     attn_bwd_dkdv_hopper_kernel[grid](
-        q_desc, do_desc, k_desc, v_desc, lse, delta, dk, dv,
+        q_desc, do_desc, k_desc, v_desc, lse, delta, dk, dv, alibi_slopes,
         q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        lse.stride(0), lse.stride(1),
+        lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
         nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale,
         CAUSAL=causal, HEADDIM=headdim, BLOCK_M=block_m, HALF_N=HALF_N, STAGES=STAGES,
-        HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_k, BLOCK_N), q.device),
+        HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_k, BLOCK_N), q.device), ALIBI=alibi_slopes is not None,
         num_warps=4, maxnreg=MAXNREG,
     )

@@ -19,7 +19,7 @@ import triton
 
 from flashpatch.kernels.common import dropout_head_rows, keep_tile
 from flashpatch.kernels.config import head_group
-from flashpatch.kernels.hopper_common import AVAILABLE, descriptor, sm90_dense_ok, tma_load
+from flashpatch.kernels.hopper_common import AVAILABLE, alibi_batch_stride, descriptor, sm90_dense_ok, tma_load
 
 if AVAILABLE:
     from triton.experimental import gluon
@@ -27,7 +27,8 @@ if AVAILABLE:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
-    from flashpatch.kernels.hopper_fwd import allocate_kv_ring, query_block_program, stream_kv
+    from flashpatch.kernels.hopper_fwd import (
+        alibi_bias, allocate_kv_ring, head_slope_log2, query_block_program, stream_kv)
 
 HALF_M = 64  # queries per consumer warpgroup
 BLOCK_M = 2 * HALF_M  # queries per program
@@ -78,8 +79,8 @@ if AVAILABLE:
 
     @gluon.jit
     def _dq_step(i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta, offs_m, offs_n,
-                 shift, qk_scale, seed, offset, drop_rows, seqlen_k, dropout_p, MASKED: gl.constexpr,
-                 DROPOUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                 shift, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p, MASKED: gl.constexpr,
+                 DROPOUT: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq.type.layout, k_width=2)
         s = i % STAGES
         phase = (i // STAGES) & 1
@@ -91,7 +92,10 @@ if AVAILABLE:
         if DROPOUT:  # integer work under both matmuls
             keep = dropout_keep_acc(seed, offset, drop_rows, i * BLOCK_N, seqlen_k, dropout_p, zero_s)
         qk = warpgroup_mma_wait(1, deps=(qk, ))
-        p = gl.exp2(qk * qk_scale - lse_log2[:, None])
+        scores = qk * qk_scale  # log2 units
+        if ALIBI:
+            scores += alibi_bias(alibi_log2, offs_m[:, None] + shift, (i * BLOCK_N + offs_n)[None, :])
+        p = gl.exp2(scores - lse_log2[:, None])
         if MASKED:  # bottom-right aligned: key n is visible from query m when n <= m + Sk - Sq
             p = gl.where((i * BLOCK_N + offs_n)[None, :] <= offs_m[:, None] + shift, p, 0.0)
         dp = warpgroup_mma_wait(0, deps=(dp, ))
@@ -105,9 +109,10 @@ if AVAILABLE:
 
     @gluon.jit
     def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_bar, DQ, LSE, DELTA, dq_base,
-                     stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale, SEED_OFFSET,
-                     drop_rows, seqlen_k, dropout_p, WG: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DROPOUT: gl.constexpr):
+                     stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale, alibi_log2,
+                     SEED_OFFSET, drop_rows, seqlen_k, dropout_p, WG: gl.constexpr, HEADDIM: gl.constexpr,
+                     HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DROPOUT: gl.constexpr,
+                     ALIBI: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -130,12 +135,12 @@ if AVAILABLE:
         mbarrier.wait(qdo_bar, 0)
         for i in range(0, n_full):
             dq = _dq_step(i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta, offs_m,
-                          offs_n, shift, qk_scale, seed, offset, drop_rows, seqlen_k, dropout_p, False, DROPOUT,
-                          BLOCK_N, STAGES)
+                          offs_n, shift, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p, False,
+                          DROPOUT, ALIBI, BLOCK_N, STAGES)
         for i in range(n_full, n_steps):
             dq = _dq_step(i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta, offs_m,
-                          offs_n, shift, qk_scale, seed, offset, drop_rows, seqlen_k, dropout_p, True, DROPOUT,
-                          BLOCK_N, STAGES)
+                          offs_n, shift, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p, True,
+                          DROPOUT, ALIBI, BLOCK_N, STAGES)
 
         rows = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
         offs_d = gl.arange(0, HEADDIM, layout=gl.SliceLayout(0, o_layout))
@@ -143,12 +148,12 @@ if AVAILABLE:
 
     @gluon.jit
     def attn_bwd_dq_hopper_kernel(
-        q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, SEED_OFFSET,
+        q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, SEED_OFFSET, ALIBI_SLOPES,
         q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
-        stride_dqb, stride_dqs, stride_dqh, stride_lse_b, stride_lse_h,
+        stride_dqb, stride_dqs, stride_dqh, stride_lse_b, stride_lse_h, stride_alibi_b,
         nheads, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, DROPOUT: gl.constexpr,
+        STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, DROPOUT: gl.constexpr, ALIBI: gl.constexpr,
     ):
         off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_program(
             seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_GROUP)
@@ -162,15 +167,16 @@ if AVAILABLE:
         dq_base = off_b * stride_dqb + off_h * stride_dqh
         lse_base = off_b * stride_lse_b + off_h * stride_lse_h
         drop_rows = dropout_head_rows(off_b, nheads, off_h, seqlen_q) + m0 // 2
+        alibi_log2 = head_slope_log2(ALIBI_SLOPES, off_b * stride_alibi_b + off_h, ALIBI)
         gl.warp_specialize([
             (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_bar, DQ, LSE, DELTA,
                             dq_base, stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale,
-                            SEED_OFFSET, drop_rows, seqlen_k, dropout_p, 0, HEADDIM, HALF_M, BLOCK_N, STAGES,
-                            DROPOUT)),
+                            alibi_log2, SEED_OFFSET, drop_rows, seqlen_k, dropout_p, 0, HEADDIM, HALF_M, BLOCK_N,
+                            STAGES, DROPOUT, ALIBI)),
             (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_bar, DQ, LSE, DELTA,
                             dq_base, stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale,
-                            SEED_OFFSET, drop_rows, seqlen_k, dropout_p, 1, HEADDIM, HALF_M, BLOCK_N, STAGES,
-                            DROPOUT)),
+                            alibi_log2, SEED_OFFSET, drop_rows, seqlen_k, dropout_p, 1, HEADDIM, HALF_M, BLOCK_N,
+                            STAGES, DROPOUT, ALIBI)),
             (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v,
                             empty, qdo_bar,
                             off_b * q_rows[0] + off_h * q_rows[1] + m0, off_h * q_cols,
@@ -192,9 +198,10 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
 
 
 def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: float, causal: bool,
-                seed_offset=None, dropout_p: float = 0.0) -> None:
+                seed_offset=None, dropout_p: float = 0.0, alibi_slopes=None) -> None:
     """dQ (written into dq, (B, Sq, H, D)) for a call `supported` accepted; lse, delta: (B, H, Sq) fp32;
-    seed_offset: the forward's (2,) int64 (ops.draw_seed_offset) when dropout_p > 0."""
+    seed_offset: the forward's (2,) int64 (ops.draw_seed_offset) when dropout_p > 0; alibi_slopes: None or float32
+    (H,) / (B, H)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     q_desc, q_rows, q_cols = descriptor(q, BLOCK_M)
@@ -203,11 +210,12 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
     v_desc, v_rows, v_cols = descriptor(v, BLOCK_N)
     grid = (batch * nheads * triton.cdiv(seqlen_q, BLOCK_M),)
     attn_bwd_dq_hopper_kernel[grid](
-        q_desc, do_desc, k_desc, v_desc, dq, lse, delta, seed_offset,
+        q_desc, do_desc, k_desc, v_desc, dq, lse, delta, seed_offset, alibi_slopes,
         q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,
-        dq.stride(0), dq.stride(1), dq.stride(2), lse.stride(0), lse.stride(1),
+        dq.stride(0), dq.stride(1), dq.stride(2), lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
         nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_q, BLOCK_M), q.device), DROPOUT=dropout_p > 0,
+        ALIBI=alibi_slopes is not None,
         num_warps=4, maxnreg=MAXNREG,
     )

@@ -10,7 +10,8 @@ consumer warpgroups per program, synchronised by mbarriers.
 
 Neither consumer waits for the other, so one's softmax runs under the other's matmuls. (FA3's intra-warpgroup
 skew, block i's softmax under block i-1's P V, measured 0-8% slower on top of that: NOTES.md v19.) Causal masks
-are bottom-right aligned; the steps that cross the diagonal run a masked copy of the step, the others none. LSE is
+are bottom-right aligned; the steps that cross the diagonal run a masked copy of the step, the others none. ALiBi
+slopes, when given (ALIBI), add -slope * |i + Sk - Sq - j| to every step's scores (`alibi_bias`). LSE is
 stored in natural log, +inf for a row that sees no key (its output is 0), as the Triton forward does (forward.py),
 so both backward kernels take it. Scope: `supported`.
 """
@@ -22,7 +23,7 @@ import triton
 
 from flashpatch.kernels.common import head_and_block
 from flashpatch.kernels.config import head_group
-from flashpatch.kernels.hopper_common import AVAILABLE, descriptor, sm90_dense_ok, tma_load
+from flashpatch.kernels.hopper_common import AVAILABLE, alibi_batch_stride, descriptor, sm90_dense_ok, tma_load
 
 if AVAILABLE:
     from triton.experimental import gluon
@@ -60,6 +61,24 @@ if AVAILABLE:
             n_steps = gl.cdiv(n_end, BLOCK_N)
             n_full = gl.minimum(gl.maximum(m0 + shift + 1, 0) // BLOCK_N, n_steps)  # blocks below the diagonal
         return off_b, off_h, off_hk, m0, shift, n_full, n_steps
+
+    @gluon.jit
+    def head_slope_log2(ALIBI_SLOPES, index, ALIBI: gl.constexpr):
+        """ALiBi's slope of one (sequence, head), ALIBI_SLOPES[index], times log2(e) (the scores are in log2
+        units); 0 without ALiBi. Shared with hopper_dkdv.py and hopper_dq.py."""
+        if ALIBI:
+            return gl.load(ALIBI_SLOPES + index) * 1.4426950408889634
+        else:
+            return 0.0
+
+    @gluon.jit
+    def alibi_bias(alibi_log2, rows, cols):
+        """ALiBi's -slope * |i + Sk - Sq - j| in log2 units, as common.alibi_bias: `rows` are query positions
+        already shifted by Sk - Sq (bottom-right aligned, so a causal diagonal has no bias), `cols` key positions,
+        as (n, 1) and (1, m) views that broadcast to the tile. They are subtracted as float32 (exact below 2^24):
+        float subtraction is not reassociated, so the compiler cannot hoist a loop-invariant integer (rows - cols)
+        tile out of the loop and hold it in registers, as it did in the dK/dV kernel (296 B of spills against 72)."""
+        return -alibi_log2 * gl.abs(rows.to(gl.float32) - cols.to(gl.float32))
 
     @gluon.jit
     def allocate_kv_ring(k_desc, v_desc, STAGES: gl.constexpr):
@@ -101,7 +120,8 @@ if AVAILABLE:
 
     @gluon.jit
     def _fwd_step(i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift,
-                  qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                  qk_scale, alibi_log2, MASKED: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr):
         """One key block into (acc, m_i, l_i); offs_n: the block's key indices relative to its start."""
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
         s = i % STAGES
@@ -109,7 +129,8 @@ if AVAILABLE:
         mbarrier.wait(ready_k.index(s), phase)
         qk = warpgroup_mma(q_s, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))  # (HALF_M, BLOCK_N)
-        p, m_new, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, MASKED, BLOCK_N)
+        p, m_new, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2, MASKED,
+                                               ALIBI, BLOCK_N)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
         mbarrier.wait(ready_v.index(s), phase)
         acc = warpgroup_mma(gl.convert_layout(p.to(q_s.dtype), a_layout), v_bufs.index(s), acc, is_async=True)
@@ -118,10 +139,12 @@ if AVAILABLE:
         return acc, m_new, l_i
 
     @gluon.jit
-    def _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, MASKED: gl.constexpr,
-                        BLOCK_N: gl.constexpr):
+    def _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2, MASKED: gl.constexpr,
+                        ALIBI: gl.constexpr, BLOCK_N: gl.constexpr):
         """Scores of key block i into (P, new running max, new running sum, rescale factor of the old sums)."""
         scores = qk * qk_scale  # log2 units
+        if ALIBI:
+            scores += alibi_bias(alibi_log2, offs_m[:, None] + shift, (i * BLOCK_N + offs_n)[None, :])
         if MASKED:  # bottom-right aligned: key n is visible from query m when n <= m + Sk - Sq
             visible = (i * BLOCK_N + offs_n)[None, :] <= offs_m[:, None] + shift
             scores = gl.where(visible, scores, float("-inf"))
@@ -133,9 +156,9 @@ if AVAILABLE:
 
     @gluon.jit
     def _fwd_consumer(q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base, stride_os, lse_base,
-                      m0, shift, n_full, n_steps, qk_scale,
+                      m0, shift, n_full, n_steps, qk_scale, alibi_log2,
                       WG: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr):
+                      STAGES: gl.constexpr, ALIBI: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -151,10 +174,10 @@ if AVAILABLE:
         mbarrier.wait(q_bar, 0)
         for i in range(0, n_full):
             acc, m_i, l_i = _fwd_step(i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
-                                      offs_m, offs_n, shift, qk_scale, False, BLOCK_N, STAGES)
+                                      offs_m, offs_n, shift, qk_scale, alibi_log2, False, ALIBI, BLOCK_N, STAGES)
         for i in range(n_full, n_steps):
             acc, m_i, l_i = _fwd_step(i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
-                                      offs_m, offs_n, shift, qk_scale, True, BLOCK_N, STAGES)
+                                      offs_m, offs_n, shift, qk_scale, alibi_log2, True, ALIBI, BLOCK_N, STAGES)
 
         empty_row = l_i == 0.0  # the row sees no key: output 0, LSE +inf (so backward recomputes P = 0)
         lse = gl.where(empty_row, float("inf"), (m_i + gl.log2(gl.where(empty_row, 1.0, l_i))) * 0.6931471805599453)
@@ -167,12 +190,12 @@ if AVAILABLE:
 
     @gluon.jit
     def attn_fwd_hopper_kernel(
-        q_desc, k_desc, v_desc, O, LSE,
+        q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES,
         q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
-        stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
+        stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
         nheads, group_size, seqlen_q, seqlen_k, qk_scale,
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr,
+        STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr,
     ):
         off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_program(
             seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_GROUP)
@@ -184,11 +207,14 @@ if AVAILABLE:
 
         o_base = off_b * stride_ob + off_h * stride_oh
         lse_base = off_b * stride_lse_b + off_h * stride_lse_h
+        alibi_log2 = head_slope_log2(ALIBI_SLOPES, off_b * stride_alibi_b + off_h, ALIBI)
         gl.warp_specialize([
             (_fwd_consumer, (q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base, stride_os,
-                             lse_base, m0, shift, n_full, n_steps, qk_scale, 0, HEADDIM, HALF_M, BLOCK_N, STAGES)),
+                             lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, 0, HEADDIM, HALF_M, BLOCK_N,
+                             STAGES, ALIBI)),
             (_fwd_consumer, (q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base, stride_os,
-                             lse_base, m0, shift, n_full, n_steps, qk_scale, 1, HEADDIM, HALF_M, BLOCK_N, STAGES)),
+                             lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, 1, HEADDIM, HALF_M, BLOCK_N,
+                             STAGES, ALIBI)),
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
                              off_b * q_rows[0] + off_h * q_rows[1] + m0, off_h * q_cols,
                              off_b * k_rows[0] + off_hk * k_rows[1], off_hk * k_cols,
@@ -206,9 +232,9 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool
             and max_seqlen_q % BLOCK_M == 0 and max_seqlen_k % BLOCK_N == 0)
 
 
-def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool) -> None:
+def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None) -> None:
     """out (B, Sq, H, D) and lse (B, H, Sq, float32, natural log) for a call `supported` accepted; q: (B, Sq, H, D),
-    k, v: (B, Sk, Hk, D); qk_scale = softmax_scale * log2(e)."""
+    k, v: (B, Sk, Hk, D); qk_scale = softmax_scale * log2(e); alibi_slopes: None or float32 (H,) / (B, H)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     q_desc, q_rows, q_cols = descriptor(q, BLOCK_M)
@@ -216,10 +242,10 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool) -> None:
     v_desc, v_rows, v_cols = descriptor(v, BLOCK_N)
     grid = (batch * nheads * triton.cdiv(seqlen_q, BLOCK_M),)
     attn_fwd_hopper_kernel[grid](
-        q_desc, k_desc, v_desc, out, lse, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        q_desc, k_desc, v_desc, out, lse, alibi_slopes, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
         nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale,
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
-        HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_q, BLOCK_M), q.device),
+        HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_q, BLOCK_M), q.device), ALIBI=alibi_slopes is not None,
         num_warps=4, maxnreg=MAXNREG,
     )
