@@ -33,7 +33,7 @@ for step in $steps; do
   start=$(date +%s)
   case $step in
     tests)
-      python3 -m pytest -m gpu tests -q -rs -rP -p no:cacheprovider 2>&1 | tee "$WORK/pytest_gpu.log"
+      python3 -m pytest -m gpu tests -q -rs -rP -p no:cacheprovider --durations=15 2>&1 | tee "$WORK/pytest_gpu.log"
       summary+=("tests: $(tail -n 1 "$WORK/pytest_gpu.log")") ;;
     tune)
       python3 scripts/tune_kernels.py --out "$WORK" 2>&1 | tee "$WORK/tune.log"

@@ -75,9 +75,10 @@ if AVAILABLE:
     def alibi_bias(alibi_log2, rows, cols):
         """ALiBi's -slope * |i + Sk - Sq - j| in log2 units, as common.alibi_bias: `rows` are query positions
         already shifted by Sk - Sq (bottom-right aligned, so a causal diagonal has no bias), `cols` key positions,
-        as (n, 1) and (1, m) views that broadcast to the tile. They are subtracted as float32 (exact below 2^24):
-        float subtraction is not reassociated, so the compiler cannot hoist a loop-invariant integer (rows - cols)
-        tile out of the loop and hold it in registers, as it did in the dK/dV kernel (296 B of spills against 72)."""
+        as a column and a row that broadcast to the tile (a row and a column in dK/dV's keys x queries tile). They
+        are subtracted as float32 (exact below 2^24): float subtraction is not reassociated, so the compiler cannot
+        hoist a loop-invariant integer (rows - cols) tile out of the loop and hold it in registers, as it did in the
+        dK/dV kernel (296 B of spills against 72)."""
         return -alibi_log2 * gl.abs(rows.to(gl.float32) - cols.to(gl.float32))
 
     @gluon.jit
