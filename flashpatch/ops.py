@@ -4,9 +4,9 @@ torch.compile traces through them as opaque nodes.
 Dense tensors are (batch, seqlen, heads, headdim); varlen tensors are (total_tokens, heads, headdim) with
 cu_seqlens. Both run the same kernels: varlen reads a sequence's start and length from cu_seqlens, dense uses a
 batch stride. On an H100/H200 (sm_90), dense d128 calls that are causal or unmasked (with or without ALiBi slopes)
-and whose lengths divide the tiles run warp-specialized Gluon kernels instead (kernels/hopper_*.py; same results, same LSE and
-delta buffers); FLASHPATCH_GLUON=0 turns them off. No argument checking here: flashpatch.validation does it in the
-public layer.
+and whose lengths divide the tiles run warp-specialized Gluon kernels instead (kernels/hopper_*.py; same results,
+same LSE and delta buffers); FLASHPATCH_GLUON=0 turns them off. No argument checking here: flashpatch.validation does
+it in the public layer.
 """
 
 from __future__ import annotations
