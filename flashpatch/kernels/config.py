@@ -215,9 +215,14 @@ def head_group(causal: bool, num_blocks: int, device: torch.device) -> int:
         return HEAD_GROUP_OVERRIDE
     if not causal or device.type != "cuda":  # the interpreter runs the programs one at a time
         return 1
+    return causal_head_group(num_blocks, _sm_count(device))
+
+
+def causal_head_group(num_blocks: int, sm_count: int) -> int:
+    """`head_group`'s rule for a causal grid on a GPU of sm_count SMs (also scripts/persistent_grid_sim.py's)."""
     if num_blocks <= 8:
         return 0
-    return 1 << max(0, round(math.log2(_sm_count(device) / num_blocks)))
+    return 1 << max(0, round(math.log2(sm_count / num_blocks)))
 
 
 @functools.lru_cache(maxsize=None)
