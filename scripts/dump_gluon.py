@@ -2,7 +2,7 @@
 report shared memory, registers and spills, and the barriers in its PTX.
 
     PYTHONPATH=/tmp/t36 python scripts/dump_gluon.py {dkdv,dq,fwd} [--headdim 128] [--causal] [--stages 2] [--dropout]
-        [--alibi]
+        [--alibi] [--persistent]
 """
 
 import argparse
@@ -35,6 +35,7 @@ def main():
     parser.add_argument("--head-group", type=int, default=1, help="grid order (config.head_group)")
     parser.add_argument("--dropout", action="store_true", help="dQ with dropout")
     parser.add_argument("--alibi", action="store_true", help="with ALiBi slopes")
+    parser.add_argument("--persistent", action="store_true", help="the forward's PERSISTENT variant")
     parser.add_argument("--out", default="runs/ir")
     args = parser.parse_args()
     d = args.headdim
@@ -59,7 +60,7 @@ def main():
         fn, maxnreg = hf.attn_fwd_hopper_kernel, hf.MAXNREG
         descs = {"q_desc": desc(hf.BLOCK_M), "k_desc": desc(hf.BLOCK_N), "v_desc": desc(hf.BLOCK_N)}
         consts = dict(CAUSAL=args.causal, HEADDIM=d, HALF_M=hf.HALF_M, BLOCK_N=hf.BLOCK_N,
-                      STAGES=args.stages or hf.STAGES, HEAD_GROUP=args.head_group)
+                      STAGES=args.stages or hf.STAGES, HEAD_GROUP=args.head_group, PERSISTENT=args.persistent)
     consts.update(ALIBI=args.alibi)
     if not args.alibi:
         consts.update(ALIBI_SLOPES=None)  # what the JIT makes of a None argument
@@ -89,7 +90,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / (f"{args.kernel}_gluon_d{d}{'_causal' if args.causal else ''}{'_dropout' if args.dropout else ''}"
-                  f"{'_alibi' if args.alibi else ''}")
+                  f"{'_alibi' if args.alibi else ''}{'_persistent' if args.persistent else ''}")
     ptx = kernel.asm["ptx"]
     stem.with_suffix(".ttgir").write_text(kernel.asm["ttgir"])
     stem.with_suffix(".ptx").write_text(ptx)

@@ -4,7 +4,8 @@ gradients against the float64 reference, then GPU kernel time (torch profiler) p
     python scripts/gluon_check.py [--skip-check] [--shapes 1b,c8k,f8k] [--variants "triton,gluon+fwd+dq"]
 
 A variant is a VARIANTS entry (Gluon dK/dV or not, its stages, its grid order) plus "+fwd" (the Gluon forward),
-"+dq" / "+dq128" (the Gluon dQ, 64- or 128-key steps), "+m128" (the d64 Gluon dK/dV with 128-query steps) and
+"+pfwd" (the Gluon forward as a persistent grid, hopper_fwd.PERSISTENT), "+dq" / "+dq128" (the Gluon dQ, 64- or
+128-key steps), "+m128" (the d64 Gluon dK/dV with 128-query steps) and
 "+gN" (every kernel's grid in head groups of N, config.head_group; g0: all heads in one group). Round 17's logs
 also name variants since removed: "carry" (dK/dV left in flight into the next step) and "fwdskew" (the forward's
 intra-warpgroup skew), NOTES.md v19.
@@ -23,6 +24,7 @@ from flashpatch import reference  # noqa: E402
 from flashpatch.kernels import config as kc  # noqa: E402
 from flashpatch.kernels import hopper_dkdv as hk  # noqa: E402
 from flashpatch.kernels import hopper_dq as hq  # noqa: E402
+from flashpatch.kernels import hopper_fwd as hf  # noqa: E402
 from profile_kernels import kernel_times  # noqa: E402
 
 CALLS = {"n": 0}
@@ -100,16 +102,20 @@ def check():
         out_ref, lse_ref = reference.attention_reference(q, k, v, causal=causal, upcast=True)
         out_low, _ = reference.attention_reference(q, k, v, causal=causal, upcast=False)
         fwd_used = sq % 128 == 0 and sk % 128 == 0
-        with kc.override(gluon_fwd=True):
-            out_g, lse_g = flashpatch.ops.attn_fwd(q.detach(), k.detach(), v.detach(), None, None, sq, sk, None,
-                                                   0.0, d ** -0.5, -1, 0 if causal else -1, 0.0)
-        e_out = (out_g.double() - out_ref).abs().max().item()
-        e_low = (out_low.double() - out_ref).abs().max().item()
-        lse_ok = torch.allclose(lse_g.double(), lse_ref.double(), rtol=1e-4, atol=1e-4)
-        good = e_out <= 2 * e_low + 1e-5 and lse_ok and not torch.isnan(out_g).any().item()
-        print(f"  forward (gluon {'used' if fwd_used else 'not used'}): out err {e_out:.2e} "
-              f"(bf16 torch {e_low:.2e}), lse close {lse_ok}{'' if good else ' FAIL'}", flush=True)
-        ok &= good
+        for persistent in (False, True):
+            hf.PERSISTENT = persistent
+            with kc.override(gluon_fwd=True):
+                out_g, lse_g = flashpatch.ops.attn_fwd(q.detach(), k.detach(), v.detach(), None, None, sq, sk, None,
+                                                       0.0, d ** -0.5, -1, 0 if causal else -1, 0.0)
+            hf.PERSISTENT = False
+            e_out = (out_g.double() - out_ref).abs().max().item()
+            e_low = (out_low.double() - out_ref).abs().max().item()
+            lse_ok = torch.allclose(lse_g.double(), lse_ref.double(), rtol=1e-4, atol=1e-4)
+            good = e_out <= 2 * e_low + 1e-5 and lse_ok and not torch.isnan(out_g).any().item()
+            print(f"  forward{' persistent' if persistent else ''} (gluon {'used' if fwd_used else 'not used'}): "
+                  f"out err {e_out:.2e} (bf16 torch {e_low:.2e}), lse close {lse_ok}{'' if good else ' FAIL'}",
+                  flush=True)
+            ok &= good
         g_ref = reference_grads(q, k, v, dout, causal, True)
         g_low = reference_grads(q, k, v, dout, causal, False)
         line = []
@@ -137,7 +143,8 @@ def timing(shapes, variants):
         flops = 2.5 * 4 * b * h * sq * sk * d / (2 if causal else 1)
         for name in variants:
             base, *extras = name.split("+")  # +fwd: the Gluon forward; +dq, +dq128: the Gluon dQ
-            gluon_fwd = "fwd" in extras
+            gluon_fwd = "fwd" in extras or "pfwd" in extras
+            hf.PERSISTENT = "pfwd" in extras
             gluon_dq, hq.BLOCK_N = any(e.startswith("dq") for e in extras), 128 if "dq128" in extras else 64
             gluon, hk.STAGES, order = VARIANTS[base]
             hk.BLOCK_M[64] = 128 if "m128" in extras else 64  # +m128: 128-query steps in the d64 Gluon dK/dV

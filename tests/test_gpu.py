@@ -160,6 +160,15 @@ def test_gluon_kernels_alibi_match_float64(case, dtype, monkeypatch):
                       make_slopes=lambda b, h: _geometric_slopes(b, h) if b > 1 else _geometric_slopes(1, h)[0])
 
 
+@needs_gluon
+@pytest.mark.parametrize("case", GLUON_CASES, ids=_gluon_id)
+def test_gluon_persistent_forward_matches_float64_bf16(case, monkeypatch):
+    # hopper_fwd.PERSISTENT (an experiment, off by default): one program per SM taking query blocks in turn, two Q
+    # buffers and a K/V ring that runs on across blocks; the last case has more blocks than an H100 has SMs
+    monkeypatch.setattr(hopper_fwd, "PERSISTENT", True)
+    _check_gluon_case(case, torch.bfloat16, monkeypatch)
+
+
 def _check_gluon_case(case, dtype, monkeypatch, make_slopes=None):
     """A GLUON_CASES case, asserting that all three Gluon kernels ran; make_slopes(batch, nheads) adds ALiBi."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order = case

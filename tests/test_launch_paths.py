@@ -248,7 +248,7 @@ def test_gluon_kernels_chosen_where_they_measured_faster():
 
 
 def test_causal_grids_end_on_many_heads_light_blocks(monkeypatch):
-    monkeypatch.setattr(kernel_config, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(kernel_config, "sm_count", lambda device: 132)
     gpu = torch.device("cuda", 0)
     assert kernel_config.head_group(False, 32, gpu) == 1  # every block costs the same: head-major
     assert kernel_config.head_group(True, 8, gpu) == 0  # short rows: all heads in one group

@@ -35,16 +35,20 @@ def head_and_block(num_blocks, BLOCKS_FASTEST: tl.constexpr, HEAD_GROUP: tl.cons
     axis 0 (its limit is 2^31 - 1, axis 1's is 65535) and blocks on axis 1, so the programs running at once each
     stream a different head."""
     if BLOCKS_FASTEST:
-        pid = tl.program_id(0)
-        num_heads = tl.num_programs(0) // num_blocks
-        if HEAD_GROUP == 0:
-            return pid % num_heads, pid // num_heads
-        group = pid // (HEAD_GROUP * num_blocks)
-        rest = pid % (HEAD_GROUP * num_blocks)
-        heads_here = tl.minimum(num_heads - group * HEAD_GROUP, HEAD_GROUP)
-        return group * HEAD_GROUP + rest % heads_here, rest // heads_here
+        return tile_head_and_block(tl.program_id(0), tl.num_programs(0) // num_blocks, num_blocks, HEAD_GROUP)
     else:
         return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
+def tile_head_and_block(tile, num_heads, num_blocks, HEAD_GROUP: tl.constexpr):
+    """`head_and_block`'s 1-D order for tile `tile` of num_heads x num_blocks (also a persistent program's tiles)."""
+    if HEAD_GROUP == 0:
+        return tile % num_heads, tile // num_heads
+    group = tile // (HEAD_GROUP * num_blocks)
+    rest = tile % (HEAD_GROUP * num_blocks)
+    heads_here = tl.minimum(num_heads - group * HEAD_GROUP, HEAD_GROUP)
+    return group * HEAD_GROUP + rest % heads_here, rest // heads_here
 
 
 @triton.jit

@@ -215,7 +215,7 @@ def head_group(causal: bool, num_blocks: int, device: torch.device) -> int:
         return HEAD_GROUP_OVERRIDE
     if not causal or device.type != "cuda":  # the interpreter runs the programs one at a time
         return 1
-    return causal_head_group(num_blocks, _sm_count(device))
+    return causal_head_group(num_blocks, sm_count(device))
 
 
 def causal_head_group(num_blocks: int, sm_count: int) -> int:
@@ -226,5 +226,5 @@ def causal_head_group(num_blocks: int, sm_count: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count

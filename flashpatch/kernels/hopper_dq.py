@@ -74,7 +74,7 @@ if AVAILABLE:
         mbarrier.expect(qdo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma_load(q_desc, [q_row, q_col], qdo_bar, q_smem)
         tma_load(do_desc, [do_row, do_col], qdo_bar, do_smem)
-        stream_kv(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, k_row, k_col, v_row, v_col, n_steps,
+        stream_kv(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, k_row, k_col, v_row, v_col, n_steps, 0,
                   BLOCK_N, STAGES)
 
     @gluon.jit

@@ -14,6 +14,9 @@ are bottom-right aligned; the steps that cross the diagonal run a masked copy of
 slopes, when given (ALIBI), add -slope * |i + Sk - Sq - j| to every step's scores (`alibi_bias`). LSE is
 stored in natural log, +inf for a row that sees no key (its output is 0), as the Triton forward does (forward.py),
 so both backward kernels take it. Scope: `supported`.
+
+PERSISTENT (an experiment, off by default, not yet run on a GPU: NOTES.md "What is left" 2 (a)) launches one
+program per SM instead, each looping over query blocks (`_persistent_fwd`).
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from flashpatch.kernels.common import head_and_block
-from flashpatch.kernels.config import head_group
+from flashpatch.kernels.common import tile_head_and_block
+from flashpatch.kernels.config import head_group, sm_count
 from flashpatch.kernels.hopper_common import AVAILABLE, alibi_batch_stride, descriptor, sm90_dense_ok, tma_load
 
 if AVAILABLE:
@@ -36,6 +39,8 @@ BLOCK_M = 2 * HALF_M  # queries per program
 BLOCK_N = 128  # keys per step
 STAGES = 2  # K/V ring depth
 MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
+# The persistent grid (module docstring); scripts/gluon_check.py's "+pfwd" variant sets it.
+PERSISTENT = False
 
 
 if AVAILABLE:
@@ -46,7 +51,15 @@ if AVAILABLE:
         """This program's query block (also hopper_dq.py's): (batch, head, K/V head, first query row, Sk - Sq,
         key blocks below the diagonal, key blocks to visit)."""
         num_m = gl.cdiv(seqlen_q, BLOCK_M)
-        off_bh, pid_m = head_and_block(num_m, True, HEAD_GROUP)  # Triton's 1-D grid order (common.py)
+        return query_block_of_tile(gl.program_id(0), gl.num_programs(0) // num_m, seqlen_q, seqlen_k, nheads,
+                                   group_size, CAUSAL, BLOCK_M, BLOCK_N, HEAD_GROUP)
+
+    @gluon.jit
+    def query_block_of_tile(tile, num_bh, seqlen_q, seqlen_k, nheads, group_size, CAUSAL: gl.constexpr,
+                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_GROUP: gl.constexpr):
+        """`query_block_program` for tile `tile` of num_bh (batch x heads) x the query blocks."""
+        num_m = gl.cdiv(seqlen_q, BLOCK_M)
+        off_bh, pid_m = tile_head_and_block(tile, num_bh, num_m, HEAD_GROUP)  # Triton's 1-D grid order (common.py)
         if CAUSAL:
             pid_m = num_m - 1 - pid_m  # the heaviest query blocks (the last ones) first
         off_b = off_bh // nheads
@@ -98,13 +111,14 @@ if AVAILABLE:
 
     @gluon.jit
     def stream_kv(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, k_row, k_col, v_row, v_col, n_steps,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """The producer's loop (also hopper_dq.py's): key block i into stage i % STAGES once both consumers have
-        released it; K and V signal separately, so Q Kᵀ can start before V has landed."""
+                  ring, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """The producer's loop (also hopper_dq.py's): key block i into stage (ring + i) % STAGES once both
+        consumers have released it; K and V signal separately, so Q Kᵀ can start before V has landed. ring: the
+        key blocks this program streamed before (0 but in a persistent program)."""
         for i in range(n_steps):
-            s = i % STAGES
+            s = (ring + i) % STAGES
             # a fresh mbarrier counts as having completed the phase before 0, so the first lap does not wait
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            mbarrier.wait(empty.index(s), (((ring + i) // STAGES) & 1) ^ 1)
             mbarrier.expect(ready_k.index(s), k_desc.block_type.nbytes)
             tma_load(k_desc, [k_row + i * BLOCK_N, k_col], ready_k.index(s), k_bufs.index(s))
             mbarrier.expect(ready_v.index(s), v_desc.block_type.nbytes)
@@ -116,17 +130,18 @@ if AVAILABLE:
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         tma_load(q_desc, [q_row, q_col], q_bar, q_smem)
-        stream_kv(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, k_row, k_col, v_row, v_col, n_steps,
+        stream_kv(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, k_row, k_col, v_row, v_col, n_steps, 0,
                   BLOCK_N, STAGES)
 
     @gluon.jit
-    def _fwd_step(i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift,
-                  qk_scale, alibi_log2, MASKED: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _fwd_step(i, ring, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
+                  shift, qk_scale, alibi_log2, MASKED: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr):
-        """One key block into (acc, m_i, l_i); offs_n: the block's key indices relative to its start."""
+        """Key block i into (acc, m_i, l_i), from the ring's slot `ring` (= i but in a persistent program); offs_n:
+        the block's key indices relative to its start."""
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
-        s = i % STAGES
-        phase = (i // STAGES) & 1
+        s = ring % STAGES
+        phase = (ring // STAGES) & 1
         mbarrier.wait(ready_k.index(s), phase)
         qk = warpgroup_mma(q_s, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))  # (HALF_M, BLOCK_N)
@@ -174,30 +189,127 @@ if AVAILABLE:
 
         mbarrier.wait(q_bar, 0)
         for i in range(0, n_full):
-            acc, m_i, l_i = _fwd_step(i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
+            acc, m_i, l_i = _fwd_step(i, i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
                                       offs_m, offs_n, shift, qk_scale, alibi_log2, False, ALIBI, BLOCK_N, STAGES)
         for i in range(n_full, n_steps):
-            acc, m_i, l_i = _fwd_step(i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
+            acc, m_i, l_i = _fwd_step(i, i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
                                       offs_m, offs_n, shift, qk_scale, alibi_log2, True, ALIBI, BLOCK_N, STAGES)
+        _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, m0 + WG * HALF_M, q_s.dtype,
+                      HEADDIM, HALF_M)
 
+    @gluon.jit
+    def _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, row0, dtype: gl.constexpr,
+                      HEADDIM: gl.constexpr, HALF_M: gl.constexpr):
+        """LSE (natural log) and O = acc / l of a warpgroup's HALF_M queries from row0 (offs_m: the same rows in
+        the score layout)."""
+        o_layout: gl.constexpr = acc.type.layout
         empty_row = l_i == 0.0  # the row sees no key: output 0, LSE +inf (so backward recomputes P = 0)
         lse = gl.where(empty_row, float("inf"), (m_i + gl.log2(gl.where(empty_row, 1.0, l_i))) * 0.6931471805599453)
         gl.store(LSE + lse_base + offs_m, lse)
         l_o = gl.convert_layout(gl.where(empty_row, 1.0, l_i), gl.SliceLayout(1, o_layout))
-        out = (acc / l_o[:, None]).to(q_s.dtype)
-        rows = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
+        out = (acc / l_o[:, None]).to(dtype)
+        rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
         offs_d = gl.arange(0, HEADDIM, layout=gl.SliceLayout(0, o_layout))
         gl.store(O + o_base + rows[:, None] * stride_os + offs_d[None, :], out)
+
+    @gluon.jit
+    def persistent_tile(rnd, num_programs):
+        """This program's tile in round `rnd` of a persistent grid: every other round runs in reverse (program p takes
+        tile p, then 2P - 1 - p, ...), so over a causal grid ordered heaviest first a program that took a heavy
+        block takes a light one next (scripts/persistent_grid_sim.py: within 1-2% of an even split)."""
+        pid = gl.program_id(0)
+        return rnd * num_programs + pid + (rnd % 2) * (num_programs - 1 - 2 * pid)
+
+    @gluon.jit
+    def _fwd_producer_persistent(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready,
+                                 q_empty, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, num_tiles, nheads,
+                                 group_size, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr):
+        """Per tile: Q into one of two buffers once both consumers released it two tiles ago, then the tile's K/V
+        blocks into the ring, which runs on across tiles (so the next tile's first blocks load under this one's
+        last steps and epilogue)."""
+        num_programs = gl.num_programs(0)
+        num_bh = num_tiles // gl.cdiv(seqlen_q, BLOCK_M)
+        ring = 0  # key blocks streamed so far
+        done = 0  # tiles so far
+        for rnd in range(gl.cdiv(num_tiles, num_programs)):
+            tile = persistent_tile(rnd, num_programs)
+            if tile < num_tiles:
+                off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_of_tile(
+                    tile, num_bh, seqlen_q, seqlen_k, nheads, group_size, CAUSAL, BLOCK_M, BLOCK_N, HEAD_GROUP)
+                qb = done % 2
+                mbarrier.wait(q_empty.index(qb), ((done // 2) & 1) ^ 1)
+                mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
+                tma_load(q_desc, [off_b * q_rows[0] + off_h * q_rows[1] + m0, off_h * q_cols], q_ready.index(qb),
+                         q_bufs.index(qb))
+                stream_kv(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty,
+                          off_b * k_rows[0] + off_hk * k_rows[1], off_hk * k_cols,
+                          off_b * v_rows[0] + off_hk * v_rows[1], off_hk * v_cols, n_steps, ring, BLOCK_N, STAGES)
+                ring += n_steps
+                done += 1
+
+    @gluon.jit
+    def _fwd_consumer_persistent(q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
+                                 ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
+                                 stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
+                                 WG: gl.constexpr, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr,
+                                 HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                                 HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr):
+        """`_fwd_consumer` over this program's tiles, the producer's order; releases Q (`q_empty`) after the
+        tile's last step, before its epilogue."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEADDIM, 16])  # (queries, D)
+        num_programs = gl.num_programs(0)
+        num_bh = num_tiles // gl.cdiv(seqlen_q, 2 * HALF_M)
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+        ring = 0
+        done = 0
+        for rnd in range(gl.cdiv(num_tiles, num_programs)):
+            tile = persistent_tile(rnd, num_programs)
+            if tile < num_tiles:
+                off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_of_tile(
+                    tile, num_bh, seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_GROUP)
+                alibi_log2 = head_slope_log2(ALIBI_SLOPES, off_b * stride_alibi_b + off_h, ALIBI)
+                qb = done % 2
+                q_s = q_bufs.index(qb).slice(WG * HALF_M, HALF_M)  # (HALF_M, D)
+                offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+                m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+                l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
+                acc = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
+                mbarrier.wait(q_ready.index(qb), (done // 2) & 1)
+                for i in range(0, n_full):
+                    acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v,
+                                              empty, zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, False,
+                                              ALIBI, BLOCK_N, STAGES)
+                for i in range(n_full, n_steps):
+                    acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v,
+                                              empty, zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, True,
+                                              ALIBI, BLOCK_N, STAGES)
+                mbarrier.arrive(q_empty.index(qb))
+                _fwd_epilogue(acc, m_i, l_i, O, LSE, off_b * stride_ob + off_h * stride_oh, stride_os,
+                              off_b * stride_lse_b + off_h * stride_lse_h, offs_m, m0 + WG * HALF_M, q_s.dtype,
+                              HEADDIM, HALF_M)
+                ring += n_steps
+                done += 1
 
     @gluon.jit
     def attn_fwd_hopper_kernel(
         q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES,
         q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
         stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
-        nheads, group_size, seqlen_q, seqlen_k, qk_scale,
+        num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr,
+        STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, PERSISTENT: gl.constexpr,
     ):
+        if PERSISTENT:  # num_tiles: batch x heads x query blocks, which the programs take in turn
+            _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols, k_rows, k_cols, v_rows,
+                            v_cols, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
+                            num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, CAUSAL, HEADDIM, HALF_M,
+                            BLOCK_N, STAGES, HEAD_GROUP, ALIBI)
+            return
         off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_program(
             seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_GROUP)
         q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
@@ -223,6 +335,37 @@ if AVAILABLE:
                              n_steps, BLOCK_N, STAGES)),
         ], [4, 1], [232, 24])
 
+    @gluon.jit
+    def _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,
+                        stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
+                        num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, CAUSAL: gl.constexpr,
+                        HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr):
+        """The PERSISTENT kernel body: two Q buffers (the next tile's Q loads under this one's steps), the K/V
+        ring, and the same three partitions looping over the program's tiles."""
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        k_bufs, v_bufs, ready_k, ready_v, empty = allocate_kv_ring(k_desc, v_desc, STAGES)
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(2):
+            mbarrier.init(q_ready.index(b), count=1)
+            mbarrier.init(q_empty.index(b), count=2)  # one arrival per consumer warpgroup
+        fence_async_shared()
+        gl.warp_specialize([
+            (_fwd_consumer_persistent, (q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
+                                        ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
+                                        stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
+                                        0, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI)),
+            (_fwd_consumer_persistent, (q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
+                                        ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
+                                        stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
+                                        1, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI)),
+            (_fwd_producer_persistent, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty,
+                                        q_ready, q_empty, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, num_tiles,
+                                        nheads, group_size, seqlen_q, seqlen_k, CAUSAL, 2 * HALF_M, BLOCK_N, STAGES,
+                                        HEAD_GROUP)),
+        ], [4, 1], [232, 24])
+
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool, max_seqlen_q: int,
               max_seqlen_k: int, window_left: int, window_right: int, softcap: float, dropout_p: float) -> bool:
@@ -241,12 +384,20 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     q_desc, q_rows, q_cols = descriptor(q, BLOCK_M)
     k_desc, k_rows, k_cols = descriptor(k, BLOCK_N)
     v_desc, v_rows, v_cols = descriptor(v, BLOCK_N)
-    grid = (batch * nheads * triton.cdiv(seqlen_q, BLOCK_M),)
+    num_tiles = batch * nheads * triton.cdiv(seqlen_q, BLOCK_M)
+    order = head_group(causal, triton.cdiv(seqlen_q, BLOCK_M), q.device)
+    if PERSISTENT:
+        # one program per SM; a causal grid all heads block-major, heaviest first, which persistent_tile's
+        # alternating rounds balance (head groups would not balance: scripts/persistent_grid_sim.py)
+        grid = (min(num_tiles, sm_count(q.device)),)
+        order = 0 if causal else order
+    else:
+        grid = (num_tiles,)
     attn_fwd_hopper_kernel[grid](
         q_desc, k_desc, v_desc, out, lse, alibi_slopes, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
-        nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale,
+        num_tiles, nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale,
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
-        HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_q, BLOCK_M), q.device), ALIBI=alibi_slopes is not None,
+        HEAD_GROUP=order, ALIBI=alibi_slopes is not None, PERSISTENT=PERSISTENT,
         num_warps=4, maxnreg=MAXNREG,
     )
