@@ -161,10 +161,11 @@ def test_gluon_kernels_alibi_match_float64(case, dtype, monkeypatch):
 
 
 @needs_gluon
-@pytest.mark.parametrize("case", GLUON_CASES, ids=_gluon_id)
+@pytest.mark.parametrize("case", [GLUON_CASES[i] for i in (0, 2, 4, 7)], ids=_gluon_id)
 def test_gluon_persistent_forward_matches_float64_bf16(case, monkeypatch):
     # hopper_fwd.PERSISTENT (an experiment, off by default): one program per SM taking query blocks in turn, two Q
-    # buffers and a K/V ring that runs on across blocks; the last case has more blocks than an H100 has SMs
+    # buffers and a K/V ring that runs on across blocks. GQA causal, rows that see no key, d64 unmasked, and 320
+    # blocks (more than an H100's 132 SMs: three rounds, the last one partial)
     monkeypatch.setattr(hopper_fwd, "PERSISTENT", True)
     _check_gluon_case(case, torch.bfloat16, monkeypatch)
 
