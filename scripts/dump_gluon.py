@@ -35,7 +35,7 @@ def main():
     parser.add_argument("--head-group", type=int, default=1, help="grid order (config.head_group)")
     parser.add_argument("--dropout", action="store_true", help="dQ with dropout")
     parser.add_argument("--alibi", action="store_true", help="with ALiBi slopes")
-    parser.add_argument("--persistent", action="store_true", help="the forward's PERSISTENT variant")
+    parser.add_argument("--persistent", action="store_true", help="the forward's or dQ's PERSISTENT variant")
     parser.add_argument("--out", default="runs/ir")
     args = parser.parse_args()
     d = args.headdim
@@ -55,7 +55,7 @@ def main():
         bn = args.block_n or hq.BLOCK_N
         descs = {"q_desc": desc(hq.BLOCK_M), "do_desc": desc(hq.BLOCK_M), "k_desc": desc(bn), "v_desc": desc(bn)}
         consts = dict(CAUSAL=args.causal, HEADDIM=d, HALF_M=hq.HALF_M, BLOCK_N=bn, STAGES=args.stages or hq.STAGES,
-                      HEAD_GROUP=args.head_group, DROPOUT=args.dropout)
+                      HEAD_GROUP=args.head_group, DROPOUT=args.dropout, PERSISTENT=args.persistent)
     else:
         fn, maxnreg = hf.attn_fwd_hopper_kernel, hf.MAXNREG
         descs = {"q_desc": desc(hf.BLOCK_M), "k_desc": desc(hf.BLOCK_N), "v_desc": desc(hf.BLOCK_N)}

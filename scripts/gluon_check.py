@@ -5,8 +5,9 @@ gradients against the float64 reference, then GPU kernel time (torch profiler) p
 
 A variant is a VARIANTS entry (Gluon dK/dV or not, its stages, its grid order) plus "+fwd" (the Gluon forward),
 "+pfwd" (the Gluon forward as a persistent grid, hopper_fwd.PERSISTENT), "+dq" / "+dq128" (the Gluon dQ, 64- or
-128-key steps), "+m128" (the d64 Gluon dK/dV with 128-query steps) and
-"+gN" (every kernel's grid in head groups of N, config.head_group; g0: all heads in one group). Round 17's logs
+128-key steps), "+pdq" (the Gluon dQ as a persistent grid, hopper_dq.PERSISTENT), "+m128" (the d64 Gluon dK/dV
+with 128-query steps) and "+gN" (every kernel's grid in head groups of N, config.head_group; g0: all heads in one
+group; a persistent grid orders causal blocks its own way). Round 17's logs
 also name variants since removed: "carry" (dK/dV left in flight into the next step) and "fwdskew" (the forward's
 intra-warpgroup skew), NOTES.md v19.
 """
@@ -98,6 +99,9 @@ def check():
         before = CALLS["n"]
         g_gluon = grads(q, k, v, dout, causal, True, gluon_dq=True)
         used = CALLS["n"] > before
+        hq.PERSISTENT = True
+        g_persistent = grads(q, k, v, dout, causal, True, gluon_dq=True)
+        hq.PERSISTENT = False
         g_triton = grads(q, k, v, dout, causal, False)
         out_ref, lse_ref = reference.attention_reference(q, k, v, causal=causal, upcast=True)
         out_low, _ = reference.attention_reference(q, k, v, causal=causal, upcast=False)
@@ -119,15 +123,17 @@ def check():
         g_ref = reference_grads(q, k, v, dout, causal, True)
         g_low = reference_grads(q, k, v, dout, causal, False)
         line = []
-        for name, gg, gt, gr, gl_ in zip("qkv", g_gluon, g_triton, g_ref, g_low):
+        for name, gg, gp, gt, gr, gl_ in zip("qkv", g_gluon, g_persistent, g_triton, g_ref, g_low):
             e_gluon = (gg.double() - gr).abs().max().item()
+            e_persistent = (gp.double() - gr).abs().max().item()
             e_triton = (gt.double() - gr).abs().max().item()
             e_low = (gl_.double() - gr).abs().max().item()
-            good = e_gluon <= 3 * e_low + 1e-5 and not torch.isnan(gg).any().item()
+            good = (max(e_gluon, e_persistent) <= 3 * e_low + 1e-5
+                    and not (torch.isnan(gg).any().item() or torch.isnan(gp).any().item()))
             ok &= good
-            line.append(f"d{name} {e_gluon:.2e}/{e_triton:.2e}/{e_low:.2e}{'' if good else ' FAIL'}")
+            line.append(f"d{name} {e_gluon:.2e}/{e_persistent:.2e}/{e_triton:.2e}/{e_low:.2e}{'' if good else ' FAIL'}")
         print(f"B{b} Sq{sq} Sk{sk} H{h}:{hk_} d{d} {'causal' if causal else 'full'} {layout} gluon used={used}: "
-              f"max |err| vs fp64 gluon/triton/bf16-torch: " + "; ".join(line), flush=True)
+              f"max |err| vs fp64 gluon/gluon with persistent dQ/triton/bf16-torch: " + "; ".join(line), flush=True)
         ok &= used == (sk % hk.BLOCK_N == 0)  # 192 keys: not a multiple of the key tile, so the Triton kernel
     print("CHECK", "PASS" if ok else "FAIL", flush=True)
 
@@ -145,7 +151,8 @@ def timing(shapes, variants):
             base, *extras = name.split("+")  # +fwd: the Gluon forward; +dq, +dq128: the Gluon dQ
             gluon_fwd = "fwd" in extras or "pfwd" in extras
             hf.PERSISTENT = "pfwd" in extras
-            gluon_dq, hq.BLOCK_N = any(e.startswith("dq") for e in extras), 128 if "dq128" in extras else 64
+            gluon_dq, hq.BLOCK_N = any(e.startswith(("dq", "pdq")) for e in extras), 128 if "dq128" in extras else 64
+            hq.PERSISTENT = "pdq" in extras
             gluon, hk.STAGES, order = VARIANTS[base]
             hk.BLOCK_M[64] = 128 if "m128" in extras else 64  # +m128: 128-query steps in the d64 Gluon dK/dV
             groups = [int(e[1:]) for e in extras if e[:1] == "g" and e[1:].isdigit()]

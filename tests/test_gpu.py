@@ -162,11 +162,12 @@ def test_gluon_kernels_alibi_match_float64(case, dtype, monkeypatch):
 
 @needs_gluon
 @pytest.mark.parametrize("case", [GLUON_CASES[i] for i in (0, 2, 4, 7)], ids=_gluon_id)
-def test_gluon_persistent_forward_matches_float64_bf16(case, monkeypatch):
-    # hopper_fwd.PERSISTENT (an experiment, off by default): one program per SM taking query blocks in turn, two Q
-    # buffers and a K/V ring that runs on across blocks. GQA causal, rows that see no key, d64 unmasked, and 320
-    # blocks (more than an H100's 132 SMs: three rounds, the last one partial)
+def test_gluon_persistent_kernels_match_float64_bf16(case, monkeypatch):
+    # hopper_fwd.PERSISTENT and hopper_dq.PERSISTENT (an experiment, off by default): one program per SM taking
+    # query blocks in turn, two query buffers and a K/V ring that runs on across blocks. GQA causal, rows that see
+    # no key, d64 unmasked, and 320 blocks (more than an H100's 132 SMs: three rounds, the last one partial)
     monkeypatch.setattr(hopper_fwd, "PERSISTENT", True)
+    monkeypatch.setattr(hopper_dq, "PERSISTENT", True)
     _check_gluon_case(case, torch.bfloat16, monkeypatch)
 
 
@@ -211,6 +212,17 @@ def test_gluon_dq_dropout_matches_float64_bf16(case, monkeypatch):
     # The Gluon dQ draws common.dropout_keep's bits in the wgmma accumulator layout (hopper_dq.dropout_keep_acc):
     # the pattern that the separate dropout_mask kernel writes must be the one it applied. The forward and dK/dV
     # with dropout are the Triton kernels'.
+    _check_gluon_dq_dropout(case, monkeypatch)
+
+
+@needs_gluon
+def test_gluon_persistent_dq_dropout_matches_float64_bf16(monkeypatch):
+    # the persistent dQ (an experiment) finds each block's dropout counters from its tile, not its program
+    monkeypatch.setattr(hopper_dq, "PERSISTENT", True)
+    _check_gluon_dq_dropout((2, 1024, 1024, 8, 2, 128, True, 0.1, False), monkeypatch)
+
+
+def _check_gluon_dq_dropout(case, monkeypatch):
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, p, alibi = case
     calls = []
     for module, name in ((hopper_fwd, "attn_fwd"), (hopper_dq, "attn_bwd_dq")):

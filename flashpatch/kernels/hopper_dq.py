@@ -10,6 +10,7 @@
 Reads the LSE (natural log) and delta = rowsum(dO * O) that the forward and backward.py's preprocess kernel wrote.
 Its programs, K/V ring and producer loop are the forward's (hopper_fwd.py). Scope: `supported`, the forward's and
 dropout (the Gluon forward has none: drawn there, the keep bits cost more than in the Triton forward, NOTES.md v23).
+PERSISTENT: hopper_fwd.PERSISTENT's experiment for this kernel (`_persistent_dq`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import triton
 
 from flashpatch.kernels.common import dropout_head_rows, keep_tile
-from flashpatch.kernels.config import head_group
+from flashpatch.kernels.config import head_group, sm_count
 from flashpatch.kernels.hopper_common import AVAILABLE, alibi_batch_stride, descriptor, sm90_dense_ok, tma_load
 
 if AVAILABLE:
@@ -28,13 +29,17 @@ if AVAILABLE:
         fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
     from flashpatch.kernels.hopper_fwd import (
-        alibi_bias, allocate_kv_ring, head_slope_log2, query_block_program, stream_kv)
+        alibi_bias, allocate_kv_ring, head_slope_log2, persistent_tile, producer_persistent, query_block_of_tile,
+        query_block_program, stream_kv)
 
 HALF_M = 64  # queries per consumer warpgroup
 BLOCK_M = 2 * HALF_M  # queries per program
 BLOCK_N = 64  # keys per step
 STAGES = 2  # K/V ring depth
 MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
+# A persistent grid, as hopper_fwd.PERSISTENT (an experiment, off by default, not yet run on a GPU: NOTES.md "What
+# is left" 2 (a)); scripts/gluon_check.py's "+pdq" variant sets it.
+PERSISTENT = False
 
 
 if AVAILABLE:
@@ -78,12 +83,14 @@ if AVAILABLE:
                   BLOCK_N, STAGES)
 
     @gluon.jit
-    def _dq_step(i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta, offs_m, offs_n,
-                 shift, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p, MASKED: gl.constexpr,
-                 DROPOUT: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    def _dq_step(i, ring, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta, offs_m,
+                 offs_n, shift, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p,
+                 MASKED: gl.constexpr, DROPOUT: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr):
+        """Key block i into dq, from the ring's slot `ring` (= i but in a persistent program)."""
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq.type.layout, k_width=2)
-        s = i % STAGES
-        phase = (i // STAGES) & 1
+        s = ring % STAGES
+        phase = (ring // STAGES) & 1
         k_s = k_bufs.index(s)  # (BLOCK_N, D)
         mbarrier.wait(ready_k.index(s), phase)
         qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (HALF_M, BLOCK_N)
@@ -134,27 +141,132 @@ if AVAILABLE:
 
         mbarrier.wait(qdo_bar, 0)
         for i in range(0, n_full):
-            dq = _dq_step(i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta, offs_m,
-                          offs_n, shift, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p, False,
-                          DROPOUT, ALIBI, BLOCK_N, STAGES)
+            dq = _dq_step(i, i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta,
+                          offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p,
+                          False, DROPOUT, ALIBI, BLOCK_N, STAGES)
         for i in range(n_full, n_steps):
-            dq = _dq_step(i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta, offs_m,
-                          offs_n, shift, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p, True,
-                          DROPOUT, ALIBI, BLOCK_N, STAGES)
+            dq = _dq_step(i, i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta,
+                          offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p,
+                          True, DROPOUT, ALIBI, BLOCK_N, STAGES)
+        _dq_store(dq, DQ, dq_base, stride_dqs, m0 + WG * HALF_M, softmax_scale, q_s.dtype, HEADDIM, HALF_M)
 
-        rows = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
+    @gluon.jit
+    def _dq_store(dq, DQ, dq_base, stride_dqs, row0, softmax_scale, dtype: gl.constexpr, HEADDIM: gl.constexpr,
+                  HALF_M: gl.constexpr):
+        """dQ = softmax_scale * dq of a warpgroup's HALF_M queries from row0."""
+        o_layout: gl.constexpr = dq.type.layout
+        rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
         offs_d = gl.arange(0, HEADDIM, layout=gl.SliceLayout(0, o_layout))
-        gl.store(DQ + dq_base + rows[:, None] * stride_dqs + offs_d[None, :], (dq * softmax_scale).to(q_s.dtype))
+        gl.store(DQ + dq_base + rows[:, None] * stride_dqs + offs_d[None, :], (dq * softmax_scale).to(dtype))
+
+    @gluon.jit
+    def _dq_consumer_persistent(q_bufs, do_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_ready, qdo_empty, DQ,
+                                LSE, DELTA, SEED_OFFSET, ALIBI_SLOPES, stride_dqb, stride_dqs, stride_dqh,
+                                stride_lse_b, stride_lse_h, stride_alibi_b, num_tiles, nheads, group_size, seqlen_q,
+                                seqlen_k, qk_scale, softmax_scale, dropout_p, WG: gl.constexpr, CAUSAL: gl.constexpr,
+                                HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, DROPOUT: gl.constexpr,
+                                ALIBI: gl.constexpr):
+        """`_dq_consumer` over this program's tiles, the producer's order; releases Q and dO (`qdo_empty`) after
+        the tile's last step, before its store."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEADDIM, 16])  # (queries, D)
+        num_programs = gl.num_programs(0)
+        num_bh = num_tiles // gl.cdiv(seqlen_q, 2 * HALF_M)
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+        seed = 0
+        offset = 0
+        if DROPOUT:
+            seed = gl.load(SEED_OFFSET)
+            offset = gl.load(SEED_OFFSET + 1)
+        ring = 0
+        done = 0
+        for rnd in range(gl.cdiv(num_tiles, num_programs)):
+            tile = persistent_tile(rnd, num_programs)
+            if tile < num_tiles:
+                off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_of_tile(
+                    tile, num_bh, seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_GROUP)
+                lse_base = off_b * stride_lse_b + off_h * stride_lse_h
+                offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+                lse_log2 = gl.load(LSE + lse_base + offs_m) * 1.4426950408889634
+                delta = gl.load(DELTA + lse_base + offs_m)
+                alibi_log2 = head_slope_log2(ALIBI_SLOPES, off_b * stride_alibi_b + off_h, ALIBI)
+                # this warpgroup's first dropout counter row (the kernel's drop_rows + WG * HALF_M // 2)
+                drop_rows = dropout_head_rows(off_b, nheads, off_h, seqlen_q) + (m0 + WG * HALF_M) // 2
+                qb = done % 2
+                q_s = q_bufs.index(qb).slice(WG * HALF_M, HALF_M)  # (HALF_M, D)
+                do_s = do_bufs.index(qb).slice(WG * HALF_M, HALF_M)
+                dq = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
+                mbarrier.wait(qdo_ready.index(qb), (done // 2) & 1)
+                for i in range(0, n_full):
+                    dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
+                                  lse_log2, delta, offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset,
+                                  drop_rows, seqlen_k, dropout_p, False, DROPOUT, ALIBI, BLOCK_N, STAGES)
+                for i in range(n_full, n_steps):
+                    dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
+                                  lse_log2, delta, offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset,
+                                  drop_rows, seqlen_k, dropout_p, True, DROPOUT, ALIBI, BLOCK_N, STAGES)
+                mbarrier.arrive(qdo_empty.index(qb))
+                _dq_store(dq, DQ, off_b * stride_dqb + off_h * stride_dqh, stride_dqs, m0 + WG * HALF_M,
+                          softmax_scale, q_s.dtype, HEADDIM, HALF_M)
+                ring += n_steps
+                done += 1
+
+    @gluon.jit
+    def _persistent_dq(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, SEED_OFFSET, ALIBI_SLOPES, q_rows, q_cols,
+                       do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, stride_dqb, stride_dqs, stride_dqh,
+                       stride_lse_b, stride_lse_h, stride_alibi_b, num_tiles, nheads, group_size, seqlen_q,
+                       seqlen_k, qk_scale, softmax_scale, dropout_p, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr,
+                       HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr,
+                       DROPOUT: gl.constexpr, ALIBI: gl.constexpr):
+        """The PERSISTENT kernel body: two buffers of Q and dO, the K/V ring, the three partitions looping over
+        the program's tiles."""
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
+        k_bufs, v_bufs, ready_k, ready_v, empty = allocate_kv_ring(k_desc, v_desc, STAGES)
+        qdo_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        qdo_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(2):
+            mbarrier.init(qdo_ready.index(b), count=1)
+            mbarrier.init(qdo_empty.index(b), count=2)  # one arrival per consumer warpgroup
+        fence_async_shared()
+        gl.warp_specialize([
+            (_dq_consumer_persistent, (q_bufs, do_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_ready,
+                                       qdo_empty, DQ, LSE, DELTA, SEED_OFFSET, ALIBI_SLOPES, stride_dqb, stride_dqs,
+                                       stride_dqh, stride_lse_b, stride_lse_h, stride_alibi_b, num_tiles, nheads,
+                                       group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p, 0, CAUSAL,
+                                       HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, DROPOUT, ALIBI)),
+            (_dq_consumer_persistent, (q_bufs, do_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_ready,
+                                       qdo_empty, DQ, LSE, DELTA, SEED_OFFSET, ALIBI_SLOPES, stride_dqb, stride_dqs,
+                                       stride_dqh, stride_lse_b, stride_lse_h, stride_alibi_b, num_tiles, nheads,
+                                       group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p, 1, CAUSAL,
+                                       HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, DROPOUT, ALIBI)),
+            (producer_persistent, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, ready_k,
+                                   ready_v, empty, qdo_ready, qdo_empty, q_rows, q_cols, do_rows, do_cols,
+                                   k_rows, k_cols, v_rows, v_cols, num_tiles, nheads, group_size, seqlen_q,
+                                   seqlen_k, CAUSAL, 2 * HALF_M, BLOCK_N, STAGES, HEAD_GROUP)),
+        ], [4, 1], [232, 24])
 
     @gluon.jit
     def attn_bwd_dq_hopper_kernel(
         q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, SEED_OFFSET, ALIBI_SLOPES,
         q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
         stride_dqb, stride_dqs, stride_dqh, stride_lse_b, stride_lse_h, stride_alibi_b,
-        nheads, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
+        num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, DROPOUT: gl.constexpr, ALIBI: gl.constexpr,
+        PERSISTENT: gl.constexpr,
     ):
+        if PERSISTENT:  # num_tiles: batch x heads x query blocks, which the programs take in turn
+            _persistent_dq(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, SEED_OFFSET, ALIBI_SLOPES, q_rows, q_cols,
+                           do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, stride_dqb, stride_dqs, stride_dqh,
+                           stride_lse_b, stride_lse_h, stride_alibi_b, num_tiles, nheads, group_size, seqlen_q,
+                           seqlen_k, qk_scale, softmax_scale, dropout_p, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES,
+                           HEAD_GROUP, DROPOUT, ALIBI)
+            return
         off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_program(
             seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_GROUP)
         q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
@@ -208,14 +320,19 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
     do_desc, do_rows, do_cols = descriptor(dout, BLOCK_M)
     k_desc, k_rows, k_cols = descriptor(k, BLOCK_N)
     v_desc, v_rows, v_cols = descriptor(v, BLOCK_N)
-    grid = (batch * nheads * triton.cdiv(seqlen_q, BLOCK_M),)
+    num_tiles = batch * nheads * triton.cdiv(seqlen_q, BLOCK_M)
+    order = head_group(causal, triton.cdiv(seqlen_q, BLOCK_M), q.device)
+    if PERSISTENT:  # as hopper_fwd.attn_fwd's
+        grid = (min(num_tiles, sm_count(q.device)),)
+        order = 0 if causal else order
+    else:
+        grid = (num_tiles,)
     attn_bwd_dq_hopper_kernel[grid](
         q_desc, do_desc, k_desc, v_desc, dq, lse, delta, seed_offset, alibi_slopes,
         q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,
         dq.stride(0), dq.stride(1), dq.stride(2), lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
-        nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
+        num_tiles, nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
-        HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_q, BLOCK_M), q.device), DROPOUT=dropout_p > 0,
-        ALIBI=alibi_slopes is not None,
+        HEAD_GROUP=order, DROPOUT=dropout_p > 0, ALIBI=alibi_slopes is not None, PERSISTENT=PERSISTENT,
         num_warps=4, maxnreg=MAXNREG,
     )

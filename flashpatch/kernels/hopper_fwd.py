@@ -221,13 +221,15 @@ if AVAILABLE:
         return rnd * num_programs + pid + (rnd % 2) * (num_programs - 1 - 2 * pid)
 
     @gluon.jit
-    def _fwd_producer_persistent(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready,
-                                 q_empty, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, num_tiles, nheads,
-                                 group_size, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr):
-        """Per tile: Q into one of two buffers once both consumers released it two tiles ago, then the tile's K/V
-        blocks into the ring, which runs on across tiles (so the next tile's first blocks load under this one's
-        last steps and epilogue)."""
+    def producer_persistent(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, ready_k, ready_v, empty,
+                            q_ready, q_empty, q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,
+                            num_tiles, nheads, group_size, seqlen_q, seqlen_k, CAUSAL: gl.constexpr,
+                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                            HEAD_GROUP: gl.constexpr):
+        """A persistent program's producer (also hopper_dq.py's, which passes dO too; the forward passes None): per
+        tile, Q (and dO) into one of two buffers once both consumers released it two tiles ago, then the tile's
+        K/V blocks into the ring, which runs on across tiles (so the next tile's first blocks load under this
+        one's last steps and epilogue)."""
         num_programs = gl.num_programs(0)
         num_bh = num_tiles // gl.cdiv(seqlen_q, BLOCK_M)
         ring = 0  # key blocks streamed so far
@@ -238,10 +240,15 @@ if AVAILABLE:
                 off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_of_tile(
                     tile, num_bh, seqlen_q, seqlen_k, nheads, group_size, CAUSAL, BLOCK_M, BLOCK_N, HEAD_GROUP)
                 qb = done % 2
+                bar = q_ready.index(qb)
                 mbarrier.wait(q_empty.index(qb), ((done // 2) & 1) ^ 1)
-                mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
-                tma_load(q_desc, [off_b * q_rows[0] + off_h * q_rows[1] + m0, off_h * q_cols], q_ready.index(qb),
-                         q_bufs.index(qb))
+                if do_desc is None:
+                    mbarrier.expect(bar, q_desc.block_type.nbytes)
+                else:
+                    mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                    tma_load(do_desc, [off_b * do_rows[0] + off_h * do_rows[1] + m0, off_h * do_cols], bar,
+                             do_bufs.index(qb))
+                tma_load(q_desc, [off_b * q_rows[0] + off_h * q_rows[1] + m0, off_h * q_cols], bar, q_bufs.index(qb))
                 stream_kv(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty,
                           off_b * k_rows[0] + off_hk * k_rows[1], off_hk * k_cols,
                           off_b * v_rows[0] + off_hk * v_rows[1], off_hk * v_cols, n_steps, ring, BLOCK_N, STAGES)
@@ -360,10 +367,10 @@ if AVAILABLE:
                                         ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
                                         stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
                                         1, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI)),
-            (_fwd_producer_persistent, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty,
-                                        q_ready, q_empty, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, num_tiles,
-                                        nheads, group_size, seqlen_q, seqlen_k, CAUSAL, 2 * HALF_M, BLOCK_N, STAGES,
-                                        HEAD_GROUP)),
+            (producer_persistent, (q_desc, None, k_desc, v_desc, q_bufs, None, k_bufs, v_bufs, ready_k, ready_v,
+                                   empty, q_ready, q_empty, q_rows, q_cols, None, None, k_rows, k_cols, v_rows,
+                                   v_cols, num_tiles, nheads, group_size, seqlen_q, seqlen_k, CAUSAL, 2 * HALF_M,
+                                   BLOCK_N, STAGES, HEAD_GROUP)),
         ], [4, 1], [232, 24])
 
 
