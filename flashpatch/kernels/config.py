@@ -218,11 +218,11 @@ def head_group(causal: bool, num_blocks: int, device: torch.device) -> int:
     return causal_head_group(num_blocks, sm_count(device))
 
 
-def causal_head_group(num_blocks: int, sm_count: int) -> int:
-    """`head_group`'s rule for a causal grid on a GPU of sm_count SMs (also scripts/persistent_grid_sim.py's)."""
+def causal_head_group(num_blocks: int, num_sms: int) -> int:
+    """`head_group`'s rule for a causal grid on a GPU of num_sms SMs (also scripts/persistent_grid_sim.py's)."""
     if num_blocks <= 8:
         return 0
-    return 1 << max(0, round(math.log2(sm_count / num_blocks)))
+    return 1 << max(0, round(math.log2(num_sms / num_blocks)))
 
 
 @functools.lru_cache(maxsize=None)
