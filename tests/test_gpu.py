@@ -139,6 +139,7 @@ def _gluon_id(case):
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order = case
     return f"b{batch}-q{seqlen_q}-k{seqlen_k}-h{nheads}:{nheads_k}-d{headdim}-{'causal' if causal else 'full'}-{order}"
 
+
 needs_gluon = pytest.mark.skipif(
     not (hopper_common.enabled() and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
     reason="the Gluon kernels are for sm_90 with the Triton release they were checked on")
