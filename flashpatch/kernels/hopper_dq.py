@@ -29,8 +29,8 @@ if AVAILABLE:
         fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
     from flashpatch.kernels.hopper_fwd import (
-        alibi_bias, allocate_kv_ring, head_slope_log2, persistent_tile, producer_persistent, query_block_of_tile,
-        query_block_program, stream_kv)
+        alibi_bias, allocate_kv_ring, allocate_query_barriers, head_slope_log2, persistent_tile, producer_persistent,
+        query_block_of_tile, query_block_program, stream_kv)
 
 HALF_M = 64  # queries per consumer warpgroup
 BLOCK_M = 2 * HALF_M  # queries per program
@@ -71,6 +71,16 @@ if AVAILABLE:
         counter, _ = gl.split(counter)  # j0 = 0: (BM / 16, 8, BN / 16, 4), one counter per call
         keep = keep_tile(seed, counter, dropout_p, BLOCK_M, BLOCK_N)  # the joins undo the splits and the reshape
         return gl.convert_layout(keep, layout, assert_trivial=True)
+
+    @gluon.jit
+    def dropout_seed_offset(SEED_OFFSET, DROPOUT: gl.constexpr):
+        """The call's Philox (seed, offset) (ops.draw_seed_offset); zeros without dropout."""
+        seed = 0
+        offset = 0
+        if DROPOUT:
+            seed = gl.load(SEED_OFFSET)
+            offset = gl.load(SEED_OFFSET + 1)
+        return seed, offset
 
     @gluon.jit
     def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty,
@@ -132,23 +142,32 @@ if AVAILABLE:
         delta = gl.load(DELTA + lse_base + offs_m)
         zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
         dq = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
-        seed = 0
-        offset = 0
-        if DROPOUT:
-            seed = gl.load(SEED_OFFSET)
-            offset = gl.load(SEED_OFFSET + 1)
+        seed, offset = dropout_seed_offset(SEED_OFFSET, DROPOUT)
         drop_rows = drop_rows + WG * HALF_M // 2  # this warpgroup's first counter row
 
-        mbarrier.wait(qdo_bar, 0)
-        for i in range(0, n_full):
-            dq = _dq_step(i, i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta,
-                          offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p,
-                          False, DROPOUT, ALIBI, BLOCK_N, STAGES)
-        for i in range(n_full, n_steps):
-            dq = _dq_step(i, i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta,
-                          offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p,
-                          True, DROPOUT, ALIBI, BLOCK_N, STAGES)
+        dq = _dq_block(dq, q_s, do_s, qdo_bar, 0, 0, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta,
+                       offs_m, offs_n, shift, n_full, n_steps, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k,
+                       dropout_p, DROPOUT, ALIBI, BLOCK_N, STAGES)
         _dq_store(dq, DQ, dq_base, stride_dqs, m0 + WG * HALF_M, softmax_scale, q_s.dtype, HEADDIM, HALF_M)
+
+    @gluon.jit
+    def _dq_block(dq, q_s, do_s, qdo_bar, qdo_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2,
+                  delta, offs_m, offs_n, shift, n_full, n_steps, qk_scale, alibi_log2, seed, offset, drop_rows,
+                  seqlen_k, dropout_p, DROPOUT: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr):
+        """A consumer warpgroup's query rows offs_m, once their Q and dO have landed (qdo_bar's phase qdo_phase): the
+        key blocks below the diagonal without a mask, then the masked ones, from the K/V ring's slot `ring` on;
+        returns dq (unscaled) for `_dq_store`."""
+        mbarrier.wait(qdo_bar, qdo_phase)
+        for i in range(0, n_full):
+            dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2,
+                          delta, offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k,
+                          dropout_p, False, DROPOUT, ALIBI, BLOCK_N, STAGES)
+        for i in range(n_full, n_steps):
+            dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2,
+                          delta, offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k,
+                          dropout_p, True, DROPOUT, ALIBI, BLOCK_N, STAGES)
+        return dq
 
     @gluon.jit
     def _dq_store(dq, DQ, dq_base, stride_dqs, row0, softmax_scale, dtype: gl.constexpr, HEADDIM: gl.constexpr,
@@ -177,11 +196,7 @@ if AVAILABLE:
         num_bh = num_tiles // gl.cdiv(seqlen_q, 2 * HALF_M)
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
-        seed = 0
-        offset = 0
-        if DROPOUT:
-            seed = gl.load(SEED_OFFSET)
-            offset = gl.load(SEED_OFFSET + 1)
+        seed, offset = dropout_seed_offset(SEED_OFFSET, DROPOUT)
         ring = 0
         done = 0
         for rnd in range(gl.cdiv(num_tiles, num_programs)):
@@ -200,15 +215,10 @@ if AVAILABLE:
                 q_s = q_bufs.index(qb).slice(WG * HALF_M, HALF_M)  # (HALF_M, D)
                 do_s = do_bufs.index(qb).slice(WG * HALF_M, HALF_M)
                 dq = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
-                mbarrier.wait(qdo_ready.index(qb), (done // 2) & 1)
-                for i in range(0, n_full):
-                    dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
-                                  lse_log2, delta, offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset,
-                                  drop_rows, seqlen_k, dropout_p, False, DROPOUT, ALIBI, BLOCK_N, STAGES)
-                for i in range(n_full, n_steps):
-                    dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
-                                  lse_log2, delta, offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset,
-                                  drop_rows, seqlen_k, dropout_p, True, DROPOUT, ALIBI, BLOCK_N, STAGES)
+                dq = _dq_block(dq, q_s, do_s, qdo_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs, ready_k,
+                               ready_v, empty, zero_s, lse_log2, delta, offs_m, offs_n, shift, n_full, n_steps,
+                               qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p, DROPOUT, ALIBI,
+                               BLOCK_N, STAGES)
                 mbarrier.arrive(qdo_empty.index(qb))
                 _dq_store(dq, DQ, off_b * stride_dqb + off_h * stride_dqh, stride_dqs, m0 + WG * HALF_M,
                           softmax_scale, q_s.dtype, HEADDIM, HALF_M)
@@ -227,11 +237,7 @@ if AVAILABLE:
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         do_bufs = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
         k_bufs, v_bufs, ready_k, ready_v, empty = allocate_kv_ring(k_desc, v_desc, STAGES)
-        qdo_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        qdo_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(2):
-            mbarrier.init(qdo_ready.index(b), count=1)
-            mbarrier.init(qdo_empty.index(b), count=2)  # one arrival per consumer warpgroup
+        qdo_ready, qdo_empty = allocate_query_barriers()
         fence_async_shared()
         gl.warp_specialize([
             (_dq_consumer_persistent, (q_bufs, do_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_ready,

@@ -177,25 +177,39 @@ if AVAILABLE:
                       STAGES: gl.constexpr, ALIBI: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEADDIM, 16])  # (queries, D)
         q_s = q_smem.slice(WG * HALF_M, HALF_M)  # (HALF_M, D)
         offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+        acc, m_i, l_i = _fwd_block(q_s, q_bar, 0, 0, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
+                                   shift, n_full, n_steps, qk_scale, alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES,
+                                   ALIBI)
+        _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, m0 + WG * HALF_M, q_s.dtype,
+                      HEADDIM, HALF_M)
+
+    @gluon.jit
+    def _fwd_block(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift,
+                   n_full, n_steps, qk_scale, alibi_log2, HEADDIM: gl.constexpr, HALF_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr):
+        """A consumer warpgroup's HALF_M query rows offs_m, once their Q has landed (q_bar's phase q_phase): the key
+        blocks below the diagonal without a mask, then the masked ones, read from the K/V ring from slot `ring` on.
+        Returns (acc, m_i, l_i) for `_fwd_epilogue`."""
+        s_layout: gl.constexpr = zero_s.type.layout
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEADDIM, 16])  # (queries, D)
         m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
-
-        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(q_bar, q_phase)
         for i in range(0, n_full):
-            acc, m_i, l_i = _fwd_step(i, i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
-                                      offs_m, offs_n, shift, qk_scale, alibi_log2, False, ALIBI, BLOCK_N, STAGES)
+            acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
+                                      zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, False, ALIBI, BLOCK_N,
+                                      STAGES)
         for i in range(n_full, n_steps):
-            acc, m_i, l_i = _fwd_step(i, i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
-                                      offs_m, offs_n, shift, qk_scale, alibi_log2, True, ALIBI, BLOCK_N, STAGES)
-        _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, m0 + WG * HALF_M, q_s.dtype,
-                      HEADDIM, HALF_M)
+            acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
+                                      zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, True, ALIBI, BLOCK_N,
+                                      STAGES)
+        return acc, m_i, l_i
 
     @gluon.jit
     def _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, row0, dtype: gl.constexpr,
@@ -219,6 +233,17 @@ if AVAILABLE:
         block takes a light one next (scripts/persistent_grid_sim.py: within 1-2% of an even split)."""
         pid = gl.program_id(0)
         return rnd * num_programs + pid + (rnd % 2) * (num_programs - 1 - 2 * pid)
+
+    @gluon.jit
+    def allocate_query_barriers():
+        """A persistent program's two query buffers' mbarriers (also hopper_dq.py's): `ready` per buffer, which the
+        producer's TMA completes, and `empty`, which both consumer warpgroups arrive at."""
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(2):
+            mbarrier.init(ready.index(b), count=1)
+            mbarrier.init(empty.index(b), count=2)  # one arrival per consumer warpgroup
+        return ready, empty
 
     @gluon.jit
     def producer_persistent(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, ready_k, ready_v, empty,
@@ -266,8 +291,6 @@ if AVAILABLE:
         tile's last step, before its epilogue."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEADDIM, 16])  # (queries, D)
         num_programs = gl.num_programs(0)
         num_bh = num_tiles // gl.cdiv(seqlen_q, 2 * HALF_M)
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -283,18 +306,9 @@ if AVAILABLE:
                 qb = done % 2
                 q_s = q_bufs.index(qb).slice(WG * HALF_M, HALF_M)  # (HALF_M, D)
                 offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
-                m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-                l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
-                acc = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
-                mbarrier.wait(q_ready.index(qb), (done // 2) & 1)
-                for i in range(0, n_full):
-                    acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v,
-                                              empty, zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, False,
-                                              ALIBI, BLOCK_N, STAGES)
-                for i in range(n_full, n_steps):
-                    acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v,
-                                              empty, zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, True,
-                                              ALIBI, BLOCK_N, STAGES)
+                acc, m_i, l_i = _fwd_block(q_s, q_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs, ready_k,
+                                           ready_v, empty, zero_s, offs_m, offs_n, shift, n_full, n_steps, qk_scale,
+                                           alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI)
                 mbarrier.arrive(q_empty.index(qb))
                 _fwd_epilogue(acc, m_i, l_i, O, LSE, off_b * stride_ob + off_h * stride_oh, stride_os,
                               off_b * stride_lse_b + off_h * stride_lse_h, offs_m, m0 + WG * HALF_M, q_s.dtype,
@@ -352,11 +366,7 @@ if AVAILABLE:
         ring, and the same three partitions looping over the program's tiles."""
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         k_bufs, v_bufs, ready_k, ready_v, empty = allocate_kv_ring(k_desc, v_desc, STAGES)
-        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(2):
-            mbarrier.init(q_ready.index(b), count=1)
-            mbarrier.init(q_empty.index(b), count=2)  # one arrival per consumer warpgroup
+        q_ready, q_empty = allocate_query_barriers()
         fence_async_shared()
         gl.warp_specialize([
             (_fwd_consumer_persistent, (q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
