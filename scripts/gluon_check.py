@@ -46,6 +46,7 @@ SHAPES = {
     "c8k": (2, 8192, 8192, 16, 16, 128, True),
     "c16k": (1, 16384, 16384, 16, 16, 128, True),
     "g2k": (8, 2048, 2048, 16, 4, 128, True),  # bench_attention.py's GQA 16/4 row
+    "1bf": (8, 1024, 1024, 16, 4, 128, False),  # the 1B recipe's attention without the causal mask
     "f4k": (4, 4096, 4096, 16, 16, 128, False),
     "f8k": (2, 8192, 8192, 16, 16, 128, False),
     "d64c8k": (2, 8192, 8192, 32, 32, 64, True),

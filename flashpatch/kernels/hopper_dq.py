@@ -37,8 +37,8 @@ BLOCK_M = 2 * HALF_M  # queries per program
 BLOCK_N = 64  # keys per step
 STAGES = 2  # K/V ring depth
 MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
-# A persistent grid, as hopper_fwd.PERSISTENT (an experiment, off by default, not yet run on a GPU: NOTES.md "What
-# is left" 2 (a)); scripts/gluon_check.py's "+pdq" variant sets it.
+# A persistent grid, as hopper_fwd.PERSISTENT (an experiment, off by default: NOTES.md v31); scripts/gluon_check.py's
+# "+pdq" variant sets it.
 PERSISTENT = False
 
 
@@ -147,26 +147,38 @@ if AVAILABLE:
 
         dq = _dq_block(dq, q_s, do_s, qdo_bar, 0, 0, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta,
                        offs_m, offs_n, shift, n_full, n_steps, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k,
-                       dropout_p, DROPOUT, ALIBI, BLOCK_N, STAGES)
+                       dropout_p, DROPOUT, ALIBI, BLOCK_N, STAGES, False)
         _dq_store(dq, DQ, dq_base, stride_dqs, m0 + WG * HALF_M, softmax_scale, q_s.dtype, HEADDIM, HALF_M)
 
     @gluon.jit
     def _dq_block(dq, q_s, do_s, qdo_bar, qdo_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2,
                   delta, offs_m, offs_n, shift, n_full, n_steps, qk_scale, alibi_log2, seed, offset, drop_rows,
                   seqlen_k, dropout_p, DROPOUT: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr):
+                  STAGES: gl.constexpr, ONE_LOOP: gl.constexpr):
         """A consumer warpgroup's query rows offs_m, once their Q and dO have landed (qdo_bar's phase qdo_phase): the
         key blocks below the diagonal without a mask, then the masked ones, from the K/V ring's slot `ring` on;
-        returns dq (unscaled) for `_dq_store`."""
+        returns dq (unscaled) for `_dq_store`. ONE_LOOP: one loop that picks the masked step per block, for the
+        persistent kernel (hopper_fwd._fwd_block says why)."""
         mbarrier.wait(qdo_bar, qdo_phase)
-        for i in range(0, n_full):
-            dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2,
-                          delta, offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k,
-                          dropout_p, False, DROPOUT, ALIBI, BLOCK_N, STAGES)
-        for i in range(n_full, n_steps):
-            dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2,
-                          delta, offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k,
-                          dropout_p, True, DROPOUT, ALIBI, BLOCK_N, STAGES)
+        if ONE_LOOP:
+            for i in range(0, n_steps):
+                if i < n_full:
+                    dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
+                                  lse_log2, delta, offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset,
+                                  drop_rows, seqlen_k, dropout_p, False, DROPOUT, ALIBI, BLOCK_N, STAGES)
+                else:
+                    dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
+                                  lse_log2, delta, offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset,
+                                  drop_rows, seqlen_k, dropout_p, True, DROPOUT, ALIBI, BLOCK_N, STAGES)
+        else:
+            for i in range(0, n_full):
+                dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2,
+                              delta, offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k,
+                              dropout_p, False, DROPOUT, ALIBI, BLOCK_N, STAGES)
+            for i in range(n_full, n_steps):
+                dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2,
+                              delta, offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k,
+                              dropout_p, True, DROPOUT, ALIBI, BLOCK_N, STAGES)
         return dq
 
     @gluon.jit
@@ -218,7 +230,7 @@ if AVAILABLE:
                 dq = _dq_block(dq, q_s, do_s, qdo_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs, ready_k,
                                ready_v, empty, zero_s, lse_log2, delta, offs_m, offs_n, shift, n_full, n_steps,
                                qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p, DROPOUT, ALIBI,
-                               BLOCK_N, STAGES)
+                               BLOCK_N, STAGES, True)
                 mbarrier.arrive(qdo_empty.index(qb))
                 _dq_store(dq, DQ, off_b * stride_dqb + off_h * stride_dqh, stride_dqs, m0 + WG * HALF_M,
                           softmax_scale, q_s.dtype, HEADDIM, HALF_M)

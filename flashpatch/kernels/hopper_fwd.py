@@ -15,8 +15,8 @@ slopes, when given (ALIBI), add -slope * |i + Sk - Sq - j| to every step's score
 stored in natural log, +inf for a row that sees no key (its output is 0), as the Triton forward does (forward.py),
 so both backward kernels take it. Scope: `supported`.
 
-PERSISTENT (an experiment, off by default, not yet run on a GPU: NOTES.md "What is left" 2 (a)) launches one
-program per SM instead, each looping over query blocks (`_persistent_fwd`).
+PERSISTENT (an experiment, off by default: NOTES.md v31) launches one program per SM instead, each looping over
+query blocks (`_persistent_fwd`).
 """
 
 from __future__ import annotations
@@ -183,17 +183,24 @@ if AVAILABLE:
         zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
         acc, m_i, l_i = _fwd_block(q_s, q_bar, 0, 0, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
                                    shift, n_full, n_steps, qk_scale, alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES,
-                                   ALIBI)
+                                   ALIBI, False)
         _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, m0 + WG * HALF_M, q_s.dtype,
                       HEADDIM, HALF_M)
 
     @gluon.jit
     def _fwd_block(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift,
                    n_full, n_steps, qk_scale, alibi_log2, HEADDIM: gl.constexpr, HALF_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr):
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, ONE_LOOP: gl.constexpr):
         """A consumer warpgroup's HALF_M query rows offs_m, once their Q has landed (q_bar's phase q_phase): the key
         blocks below the diagonal without a mask, then the masked ones, read from the K/V ring from slot `ring` on.
-        Returns (acc, m_i, l_i) for `_fwd_epilogue`."""
+        Returns (acc, m_i, l_i) for `_fwd_epilogue`.
+
+        ONE_LOOP (the persistent kernel's): one loop over the key blocks that picks the masked step per block, in
+        place of two loops. With two loops, Triton 3.6 compiled the persistent kernel so that the first consumer
+        warpgroup's matmuls read the wrong shared memory whenever the unmasked loop had no trips (a causal tile
+        at the diagonal: its rows 1-63 wrong in the forward, an illegal address in dQ), while the second
+        warpgroup, the same code, was right; the one-loop form is exact (scripts/persistent_debug.py, NOTES.md
+        v31)."""
         s_layout: gl.constexpr = zero_s.type.layout
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEADDIM, 16])  # (queries, D)
@@ -201,14 +208,25 @@ if AVAILABLE:
         l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
         mbarrier.wait(q_bar, q_phase)
-        for i in range(0, n_full):
-            acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
-                                      zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, False, ALIBI, BLOCK_N,
-                                      STAGES)
-        for i in range(n_full, n_steps):
-            acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
-                                      zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, True, ALIBI, BLOCK_N,
-                                      STAGES)
+        if ONE_LOOP:
+            for i in range(0, n_steps):
+                if i < n_full:
+                    acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v,
+                                              empty, zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, False,
+                                              ALIBI, BLOCK_N, STAGES)
+                else:
+                    acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v,
+                                              empty, zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, True,
+                                              ALIBI, BLOCK_N, STAGES)
+        else:
+            for i in range(0, n_full):
+                acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
+                                          zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, False, ALIBI, BLOCK_N,
+                                          STAGES)
+            for i in range(n_full, n_steps):
+                acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
+                                          zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, True, ALIBI, BLOCK_N,
+                                          STAGES)
         return acc, m_i, l_i
 
     @gluon.jit
@@ -308,7 +326,7 @@ if AVAILABLE:
                 offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
                 acc, m_i, l_i = _fwd_block(q_s, q_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs, ready_k,
                                            ready_v, empty, zero_s, offs_m, offs_n, shift, n_full, n_steps, qk_scale,
-                                           alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI)
+                                           alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, True)
                 mbarrier.arrive(q_empty.index(qb))
                 _fwd_epilogue(acc, m_i, l_i, O, LSE, off_b * stride_ob + off_h * stride_oh, stride_os,
                               off_b * stride_lse_b + off_h * stride_lse_h, offs_m, m0 + WG * HALF_M, q_s.dtype,
