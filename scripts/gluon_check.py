@@ -3,9 +3,10 @@ gradients against the float64 reference, then GPU kernel time (torch profiler) p
 
     python scripts/gluon_check.py [--skip-check] [--shapes 1b,c8k,f8k] [--variants "triton,gluon+fwd+dq"]
 
-A variant is a VARIANTS entry (Gluon dK/dV or not, its stages, its grid order) plus "+fwd" (the Gluon forward),
-"+pfwd" (the Gluon forward as a persistent grid, hopper_fwd.PERSISTENT), "+dq" / "+dq128" (the Gluon dQ, 64- or
-128-key steps), "+pdq" (the Gluon dQ as a persistent grid, hopper_dq.PERSISTENT), "+m128" (the d64 Gluon dK/dV
+A variant is a VARIANTS entry (Gluon dK/dV or not, its stages, its grid order) plus "+fwd" (the Gluon forward,
+its grid form as config.persistent_grid chooses), "+pfwd" / "+npfwd" (the Gluon forward as a persistent grid or as
+one program per query block, hopper_fwd.PERSISTENT), "+dq" / "+dq128" (the Gluon dQ, 64- or 128-key steps),
+"+pdq" / "+npdq" (the Gluon dQ's grid forced, hopper_dq.PERSISTENT), "+m128" (the d64 Gluon dK/dV
 with 128-query steps) and "+gN" (every kernel's grid in head groups of N, config.head_group; g0: all heads in one
 group; a persistent grid orders causal blocks its own way). Round 17's logs
 also name variants since removed: "carry" (dK/dV left in flight into the next step) and "fwdskew" (the forward's
@@ -98,11 +99,12 @@ def check():
         q, k, v = make(sq, h).requires_grad_(), make(sk, hk_).requires_grad_(), make(sk, hk_).requires_grad_()
         dout = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
         before = CALLS["n"]
+        hq.PERSISTENT = False
         g_gluon = grads(q, k, v, dout, causal, True, gluon_dq=True)
         used = CALLS["n"] > before
         hq.PERSISTENT = True
         g_persistent = grads(q, k, v, dout, causal, True, gluon_dq=True)
-        hq.PERSISTENT = False
+        hq.PERSISTENT = None
         g_triton = grads(q, k, v, dout, causal, False)
         out_ref, lse_ref = reference.attention_reference(q, k, v, causal=causal, upcast=True)
         out_low, _ = reference.attention_reference(q, k, v, causal=causal, upcast=False)
@@ -112,7 +114,7 @@ def check():
             with kc.override(gluon_fwd=True):
                 out_g, lse_g = flashpatch.ops.attn_fwd(q.detach(), k.detach(), v.detach(), None, None, sq, sk, None,
                                                        0.0, d ** -0.5, -1, 0 if causal else -1, 0.0)
-            hf.PERSISTENT = False
+            hf.PERSISTENT = None
             e_out = (out_g.double() - out_ref).abs().max().item()
             e_low = (out_low.double() - out_ref).abs().max().item()
             lse_ok = torch.allclose(lse_g.double(), lse_ref.double(), rtol=1e-4, atol=1e-4)
@@ -150,10 +152,11 @@ def timing(shapes, variants):
         flops = 2.5 * 4 * b * h * sq * sk * d / (2 if causal else 1)
         for name in variants:
             base, *extras = name.split("+")  # +fwd: the Gluon forward; +dq, +dq128: the Gluon dQ
-            gluon_fwd = "fwd" in extras or "pfwd" in extras
-            hf.PERSISTENT = "pfwd" in extras
-            gluon_dq, hq.BLOCK_N = any(e.startswith(("dq", "pdq")) for e in extras), 128 if "dq128" in extras else 64
-            hq.PERSISTENT = "pdq" in extras
+            gluon_fwd = bool({"fwd", "pfwd", "npfwd"} & set(extras))
+            hf.PERSISTENT = True if "pfwd" in extras else False if "npfwd" in extras else None
+            gluon_dq = any(e.startswith(("dq", "pdq", "npdq")) for e in extras)
+            hq.BLOCK_N = 128 if "dq128" in extras else 64
+            hq.PERSISTENT = True if "pdq" in extras else False if "npdq" in extras else None
             gluon, hk.STAGES, order = VARIANTS[base]
             hk.BLOCK_M[64] = 128 if "m128" in extras else 64  # +m128: 128-query steps in the d64 Gluon dK/dV
             groups = [int(e[1:]) for e in extras if e[:1] == "g" and e[1:].isdigit()]

@@ -162,13 +162,15 @@ def test_gluon_kernels_alibi_match_float64(case, dtype, monkeypatch):
 
 
 @needs_gluon
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "per_block"])
 @pytest.mark.parametrize("case", [GLUON_CASES[i] for i in (0, 2, 4, 7)], ids=_gluon_id)
-def test_gluon_persistent_kernels_match_float64_bf16(case, monkeypatch):
-    # hopper_fwd.PERSISTENT and hopper_dq.PERSISTENT (an experiment, off by default): one program per SM taking
-    # query blocks in turn, two query buffers and a K/V ring that runs on across blocks. GQA causal, rows that see
-    # no key, d64 unmasked, and 320 blocks (more than an H100's 132 SMs: three rounds, the last one partial)
-    monkeypatch.setattr(hopper_fwd, "PERSISTENT", True)
-    monkeypatch.setattr(hopper_dq, "PERSISTENT", True)
+def test_gluon_grid_forms_match_float64_bf16(case, persistent, monkeypatch):
+    # Both grid forms of the Gluon forward and dQ, whichever config.persistent_grid picks for the shape: one program
+    # per SM taking query blocks in turn (two query buffers, a K/V ring that runs on across blocks), or one program
+    # per query block. GQA causal, rows that see no key, d64 unmasked, and 320 blocks (more than an H100's 132 SMs:
+    # three rounds, the last one partial)
+    monkeypatch.setattr(hopper_fwd, "PERSISTENT", persistent)
+    monkeypatch.setattr(hopper_dq, "PERSISTENT", persistent)
     _check_gluon_case(case, torch.bfloat16, monkeypatch)
 
 
@@ -217,9 +219,11 @@ def test_gluon_dq_dropout_matches_float64_bf16(case, monkeypatch):
 
 
 @needs_gluon
-def test_gluon_persistent_dq_dropout_matches_float64_bf16(monkeypatch):
-    # the persistent dQ (an experiment) finds each block's dropout counters from its tile, not its program
-    monkeypatch.setattr(hopper_dq, "PERSISTENT", True)
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "per_block"])
+def test_gluon_dq_grid_forms_dropout_match_float64_bf16(persistent, monkeypatch):
+    # a persistent dQ finds each block's dropout counters from its tile, a per-block one from its program; the
+    # dropout cases above take config.persistent_grid's form (persistent: at most 8 query blocks)
+    monkeypatch.setattr(hopper_dq, "PERSISTENT", persistent)
     _check_gluon_dq_dropout((2, 1024, 1024, 8, 2, 128, True, 0.1, False), monkeypatch)
 
 

@@ -291,3 +291,12 @@ def test_gluon_kernels_take_only_lengths_that_divide_their_tiles(monkeypatch, se
     assert hopper_fwd.supported(q, k, v, **scope) == divides
     assert hopper_dq.supported(q, k, v, q, **scope) == divides
     assert hopper_dkdv.supported(q, k, v, q, **scope) == (seqlen_q % 64 == 0 and seqlen_k % 128 == 0)
+
+
+def test_persistent_grid_rule():
+    # the Gluon forward always runs as a persistent grid; dQ only on rows of at most 8 query blocks, where the
+    # per-block grid has no head groups to lose (config.persistent_grid's measurements)
+    assert all(kernel_config.persistent_grid("fwd", n) for n in (1, 8, 9, 128))
+    assert [kernel_config.persistent_grid("dq", n) for n in (1, 8, 9, 64)] == [True, True, False, False]
+    with pytest.raises(ValueError, match="'dkdv'"):
+        kernel_config.persistent_grid("dkdv", 8)

@@ -10,7 +10,8 @@
 Reads the LSE (natural log) and delta = rowsum(dO * O) that the forward and backward.py's preprocess kernel wrote.
 Its programs, K/V ring and producer loop are the forward's (hopper_fwd.py). Scope: `supported`, the forward's and
 dropout (the Gluon forward has none: drawn there, the keep bits cost more than in the Triton forward, NOTES.md v23).
-PERSISTENT: hopper_fwd.PERSISTENT's experiment for this kernel (`_persistent_dq`).
+A persistent grid (`_persistent_dq`), as the forward's, where config.persistent_grid chooses it (rows of at most 8
+query blocks).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import triton
 
 from flashpatch.kernels.common import dropout_head_rows, keep_tile
-from flashpatch.kernels.config import head_group, sm_count
+from flashpatch.kernels.config import head_group, persistent_grid, sm_count
 from flashpatch.kernels.hopper_common import AVAILABLE, alibi_batch_stride, descriptor, sm90_dense_ok, tma_load
 
 if AVAILABLE:
@@ -37,9 +38,9 @@ BLOCK_M = 2 * HALF_M  # queries per program
 BLOCK_N = 64  # keys per step
 STAGES = 2  # K/V ring depth
 MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
-# A persistent grid, as hopper_fwd.PERSISTENT (an experiment, off by default: NOTES.md v31); scripts/gluon_check.py's
-# "+pdq" variant sets it.
-PERSISTENT = False
+# As hopper_fwd.PERSISTENT: None follows config.persistent_grid; True / False force it (gluon_check's "+pdq" /
+# "+npdq").
+PERSISTENT: bool | None = None
 
 
 if AVAILABLE:
@@ -339,8 +340,10 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
     k_desc, k_rows, k_cols = descriptor(k, BLOCK_N)
     v_desc, v_rows, v_cols = descriptor(v, BLOCK_N)
     num_tiles = batch * nheads * triton.cdiv(seqlen_q, BLOCK_M)
-    order = head_group(causal, triton.cdiv(seqlen_q, BLOCK_M), q.device)
-    if PERSISTENT:  # as hopper_fwd.attn_fwd's
+    num_m = triton.cdiv(seqlen_q, BLOCK_M)
+    order = head_group(causal, num_m, q.device)
+    persistent = persistent_grid("dq", num_m) if PERSISTENT is None else PERSISTENT
+    if persistent:  # as hopper_fwd.attn_fwd's
         grid = (min(num_tiles, sm_count(q.device)),)
         order = 0 if causal else order
     else:
@@ -351,6 +354,6 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
         dq.stride(0), dq.stride(1), dq.stride(2), lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
         num_tiles, nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
-        HEAD_GROUP=order, DROPOUT=dropout_p > 0, ALIBI=alibi_slopes is not None, PERSISTENT=PERSISTENT,
+        HEAD_GROUP=order, DROPOUT=dropout_p > 0, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
         num_warps=4, maxnreg=MAXNREG,
     )

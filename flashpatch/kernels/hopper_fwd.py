@@ -15,8 +15,9 @@ slopes, when given (ALIBI), add -slope * |i + Sk - Sq - j| to every step's score
 stored in natural log, +inf for a row that sees no key (its output is 0), as the Triton forward does (forward.py),
 so both backward kernels take it. Scope: `supported`.
 
-PERSISTENT (an experiment, off by default: NOTES.md v31) launches one program per SM instead, each looping over
-query blocks (`_persistent_fwd`).
+A persistent grid (`_persistent_fwd`, where config.persistent_grid chooses it: every forward it takes) launches one
+program per SM instead, each looping over query blocks, so that a block's Q load and first K/V blocks run under the
+previous block's steps (NOTES.md v31).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 import triton
 
 from flashpatch.kernels.common import tile_head_and_block
-from flashpatch.kernels.config import head_group, sm_count
+from flashpatch.kernels.config import head_group, persistent_grid, sm_count
 from flashpatch.kernels.hopper_common import AVAILABLE, alibi_batch_stride, descriptor, sm90_dense_ok, tma_load
 
 if AVAILABLE:
@@ -39,8 +40,9 @@ BLOCK_M = 2 * HALF_M  # queries per program
 BLOCK_N = 128  # keys per step
 STAGES = 2  # K/V ring depth
 MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
-# The persistent grid (module docstring); scripts/gluon_check.py's "+pfwd" variant sets it.
-PERSISTENT = False
+# The persistent grid (module docstring): None follows config.persistent_grid; True / False force it (the
+# "+pfwd" / "+npfwd" variants of scripts/gluon_check.py, the GPU tests of both forms).
+PERSISTENT: bool | None = None
 
 
 if AVAILABLE:
@@ -420,8 +422,10 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     k_desc, k_rows, k_cols = descriptor(k, BLOCK_N)
     v_desc, v_rows, v_cols = descriptor(v, BLOCK_N)
     num_tiles = batch * nheads * triton.cdiv(seqlen_q, BLOCK_M)
-    order = head_group(causal, triton.cdiv(seqlen_q, BLOCK_M), q.device)
-    if PERSISTENT:
+    num_m = triton.cdiv(seqlen_q, BLOCK_M)
+    order = head_group(causal, num_m, q.device)
+    persistent = persistent_grid("fwd", num_m) if PERSISTENT is None else PERSISTENT
+    if persistent:
         # one program per SM; a causal grid all heads block-major, heaviest first, which persistent_tile's
         # alternating rounds balance (head groups would not balance: scripts/persistent_grid_sim.py)
         grid = (min(num_tiles, sm_count(q.device)),)
@@ -433,6 +437,6 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
         num_tiles, nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale,
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
-        HEAD_GROUP=order, ALIBI=alibi_slopes is not None, PERSISTENT=PERSISTENT,
+        HEAD_GROUP=order, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
         num_warps=4, maxnreg=MAXNREG,
     )
