@@ -294,9 +294,10 @@ def test_gluon_kernels_take_only_lengths_that_divide_their_tiles(monkeypatch, se
 
 
 def test_persistent_grid_rule():
-    # the Gluon forward always runs as a persistent grid; dQ only on rows of at most 8 query blocks, where the
-    # per-block grid has no head groups to lose (config.persistent_grid's measurements)
-    assert all(kernel_config.persistent_grid("fwd", n) for n in (1, 8, 9, 128))
-    assert [kernel_config.persistent_grid("dq", n) for n in (1, 8, 9, 64)] == [True, True, False, False]
+    # the d128 Gluon forward runs as a persistent grid, the d64 one per block; dQ persistent only on rows of at
+    # most 8 query blocks, where the per-block grid has no head groups to lose (config.persistent_grid's figures)
+    assert all(kernel_config.persistent_grid("fwd", n, 128) for n in (1, 8, 9, 128))
+    assert not any(kernel_config.persistent_grid("fwd", n, 64) for n in (1, 8, 9, 128))
+    assert [kernel_config.persistent_grid("dq", n, 128) for n in (1, 8, 9, 64)] == [True, True, False, False]
     with pytest.raises(ValueError, match="'dkdv'"):
-        kernel_config.persistent_grid("dkdv", 8)
+        kernel_config.persistent_grid("dkdv", 8, 128)

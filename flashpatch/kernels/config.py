@@ -225,18 +225,18 @@ def causal_head_group(num_blocks: int, num_sms: int) -> int:
     return 1 << max(0, round(math.log2(num_sms / num_blocks)))
 
 
-def persistent_grid(kernel: str, num_blocks: int) -> bool:
+def persistent_grid(kernel: str, num_blocks: int, headdim: int) -> bool:
     """Whether the Gluon `kernel` ("fwd" or "dq") runs as a persistent grid (one program per SM taking query blocks
     in turn, hopper_fwd.persistent_tile) for rows of num_blocks query blocks, rather than one program per block.
-    Round 26 (NOTES.md v31, H200, GPU kernel time, ms, one program per block -> persistent): the forward gains or
-    ties everywhere measured (the 1B recipe's shape, GQA 16/4 n1024 causal, 0.113 -> 0.094; GQA n2048 0.317 ->
-    0.278-0.288; causal n4096 0.535 -> 0.524, n8192 1.003 -> 0.998; full n4096 1.017 -> 0.978), since each
-    program's start (its Q load and the first K/V blocks) now runs under the previous block's steps. dQ gains on
-    short rows (0.116 -> 0.108 at the 1B shape) but loses from n2048 on (0.335 -> 0.353, n8192 1.090 -> 1.29): a
-    causal persistent grid cannot keep `head_group`'s head groups, whose L2 sharing dQ needs there, and with at
-    most 8 blocks per head the rule has none anyway."""
+    Round 26 (NOTES.md v31, H200, GPU kernel time, ms, one program per block -> persistent): the d128 forward gains
+    or ties everywhere measured (the 1B recipe's shape, GQA 16/4 n1024 causal, 0.113 -> 0.094; GQA n2048 0.317 ->
+    0.276; causal n4096 0.535 -> 0.524, n8192 1.003 -> 0.998; full n4096 within that run's noise), since each
+    block's Q load and first K/V blocks now run under the previous block's steps; the d64 forward (full n4096)
+    loses 1-2% (1.283-1.294 -> 1.307-1.308). dQ gains on short rows (0.116 -> 0.108 at the 1B shape) but loses from
+    n2048 on (0.335 -> 0.353, n8192 1.090 -> 1.29): a causal persistent grid cannot keep `head_group`'s head
+    groups, whose L2 sharing dQ needs there, and with at most 8 blocks per head the rule has none anyway."""
     if kernel == "fwd":
-        return True
+        return headdim == 128
     if kernel == "dq":
         return num_blocks <= 8
     raise ValueError(f"persistent_grid: kernel must be 'fwd' or 'dq', got {kernel!r}")

@@ -342,7 +342,7 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
     num_tiles = batch * nheads * triton.cdiv(seqlen_q, BLOCK_M)
     num_m = triton.cdiv(seqlen_q, BLOCK_M)
     order = head_group(causal, num_m, q.device)
-    persistent = persistent_grid("dq", num_m) if PERSISTENT is None else PERSISTENT
+    persistent = persistent_grid("dq", num_m, headdim) if PERSISTENT is None else PERSISTENT
     if persistent:  # as hopper_fwd.attn_fwd's
         grid = (min(num_tiles, sm_count(q.device)),)
         order = 0 if causal else order

@@ -15,8 +15,8 @@ slopes, when given (ALIBI), add -slope * |i + Sk - Sq - j| to every step's score
 stored in natural log, +inf for a row that sees no key (its output is 0), as the Triton forward does (forward.py),
 so both backward kernels take it. Scope: `supported`.
 
-A persistent grid (`_persistent_fwd`, where config.persistent_grid chooses it: every forward it takes) launches one
-program per SM instead, each looping over query blocks, so that a block's Q load and first K/V blocks run under the
+A persistent grid (`_persistent_fwd`, where config.persistent_grid chooses it: head dim 128) launches one program per
+SM instead, each looping over query blocks, so that a block's Q load and first K/V blocks run under the
 previous block's steps (NOTES.md v31).
 """
 
@@ -424,7 +424,7 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     num_tiles = batch * nheads * triton.cdiv(seqlen_q, BLOCK_M)
     num_m = triton.cdiv(seqlen_q, BLOCK_M)
     order = head_group(causal, num_m, q.device)
-    persistent = persistent_grid("fwd", num_m) if PERSISTENT is None else PERSISTENT
+    persistent = persistent_grid("fwd", num_m, headdim) if PERSISTENT is None else PERSISTENT
     if persistent:
         # one program per SM; a causal grid all heads block-major, heaviest first, which persistent_tile's
         # alternating rounds balance (head groups would not balance: scripts/persistent_grid_sim.py)
