@@ -1,5 +1,12 @@
-"""Which persistent Gluon kernel (forward or dQ) fails, per case: each (kernel, case) in its own process with
-CUDA_LAUNCH_BLOCKING=1, compared with the default (non-persistent) Gluon kernel's output. Debugging aid."""
+"""The persistent Gluon forward or dQ against the per-block one (hopper_{fwd,dq}.PERSISTENT forced each way), case
+by case, each (kernel, case) in its own process with CUDA_LAUNCH_BLOCKING=1 so that a fault names its kernel and
+does not end the run. GPU only.
+
+    python scripts/persistent_debug.py [fwd,dq CASE_INDICES]   e.g. `fwd,dq 0,4,6`
+    ERROR_MAP=1 python scripts/persistent_debug.py fwd 0 child  one case in this process, with a map of the
+                                                                 max error per 64-row half block
+
+NOTES.md v32 (a) has what it found (docs/results/h200/round26/persistent_*_before_fix.log)."""
 
 import os
 import subprocess

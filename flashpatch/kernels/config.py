@@ -228,7 +228,7 @@ def causal_head_group(num_blocks: int, num_sms: int) -> int:
 def persistent_grid(kernel: str, num_blocks: int, headdim: int) -> bool:
     """Whether the Gluon `kernel` ("fwd" or "dq") runs as a persistent grid (one program per SM taking query blocks
     in turn, hopper_fwd.persistent_tile) for rows of num_blocks query blocks, rather than one program per block.
-    Round 26 (NOTES.md v31, H200, GPU kernel time, ms, one program per block -> persistent): the d128 forward gains
+    Round 26 (NOTES.md v32, H200, GPU kernel time, ms, one program per block -> persistent): the d128 forward gains
     or ties everywhere measured (the 1B recipe's shape, GQA 16/4 n1024 causal, 0.113 -> 0.094; GQA n2048 0.317 ->
     0.276; causal n4096 0.535 -> 0.524, n8192 1.003 -> 0.998; full n4096 within that run's noise), since each
     block's Q load and first K/V blocks now run under the previous block's steps; the d64 forward (full n4096)

@@ -17,7 +17,7 @@ so both backward kernels take it. Scope: `supported`.
 
 A persistent grid (`_persistent_fwd`, where config.persistent_grid chooses it: head dim 128) launches one program per
 SM instead, each looping over query blocks, so that a block's Q load and first K/V blocks run under the
-previous block's steps (NOTES.md v31).
+previous block's steps (NOTES.md v32).
 """
 
 from __future__ import annotations
