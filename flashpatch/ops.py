@@ -101,6 +101,13 @@ def _descriptor_scratch(size: int, alignment: int, stream: Optional[int]) -> tor
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+@functools.lru_cache(maxsize=None)
+def _dkdv_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream of KernelConfigs.concurrent_dq, one per device, at the highest priority CUDA offers."""
+    highest = torch.cuda.Stream.priority_range()[1]
+    return torch.cuda.Stream(device=device, priority=highest)
+
+
 def _ensure_allocator() -> None:
     """Kernels that build tensor descriptors on the device need scratch memory from triton's allocator. The
     setting is a context variable (the autograd engine's threads start without it), so it is checked before
@@ -368,57 +375,81 @@ def attn_bwd_impl(
     gluon_scope = dict(varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
                        window_right=window_right, softcap=softcap, dropout_p=dropout_p)
     causal = window_right == 0
-    if cfgs.gluon_dkdv and not atomic_dq and hopper_dkdv.supported(q, k, v, dout, **gluon_scope):
-        hopper_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal, alibi_slopes)
+
+    def launch_dkdv():
+        if cfgs.gluon_dkdv and not atomic_dq and hopper_dkdv.supported(q, k, v, dout, **gluon_scope):
+            hopper_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal,
+                                      alibi_slopes)
+        else:
+            c = cfgs.bwd_dkdv
+            tma_dkdv = c.tma and tma_usable(headdim, q, k, v, dout, dq_accum, dk, dv)
+            if tma_dkdv:
+                _ensure_allocator()
+            grid, blocks, blocks_fastest = _launch_grid(nheads_k, c.block_n, c.blocks_fastest, cu_seqlens_k,
+                                                        k.shape[0], batch, max_seqlen_k, heaviest_first=False)
+            attn_bwd_dkdv_kernel[grid](
+                q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks,
+                alibi_slopes,
+                *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
+                *_seq_strides(dout, varlen), *_seq_strides(dq_accum, varlen), *_seq_strides(dk, varlen),
+                *_seq_strides(dv, varlen), *_lse_strides(lse, varlen), hopper_common.alibi_batch_stride(alibi_slopes),
+                nheads, nheads_k, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
+                qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
+                HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq,
+                TMA=tma_dkdv, BLOCKS_FASTEST=blocks_fastest,
+                HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_k, q.device, by_keys=True),
+                EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_q, c.block_m),
+                EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim), DP_FIRST=c.dp_first, **flags,
+                num_warps=c.num_warps, num_stages=c.num_stages,
+            )
+
+    concurrent = cfgs.concurrent_dq and not atomic_dq and q.is_cuda
+
+    def launch_dq():
+        if atomic_dq:
+            dq.copy_(dq_accum)
+        elif cfgs.gluon_dq and hopper_dq.supported(q, k, v, dout, **gluon_scope):
+            hopper_dq.attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale, softmax_scale, causal,
+                                  seed_offset=seed_offset, dropout_p=dropout_p, alibi_slopes=alibi_slopes,
+                                  beside_dkdv=concurrent)
+        else:
+            c = cfgs.bwd_dq
+            tma_dq = c.tma and tma_usable(headdim, k, v)  # not atomic_dq: that branch is taken above
+            if tma_dq:
+                _ensure_allocator()
+            grid, blocks, blocks_fastest = _launch_grid(nheads, c.block_m, c.blocks_fastest, cu_seqlens_q,
+                                                        q.shape[0], batch, max_seqlen_q, heaviest_first=True)
+            attn_bwd_dq_kernel[grid](
+                q, k, v, dout, lse, delta, dq, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes,
+                *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
+                *_seq_strides(dout, varlen), *_seq_strides(dq, varlen), *_lse_strides(lse, varlen),
+                hopper_common.alibi_batch_stride(alibi_slopes),
+                nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
+                qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
+                HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, TMA=tma_dq,
+                BLOCKS_FASTEST=blocks_fastest,
+                HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_q, q.device),
+                EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, c.block_n),
+                EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim),
+                **flags,
+                num_warps=c.num_warps, num_stages=c.num_stages,
+            )
+
+    if concurrent:
+        # dK/dV on a side stream of higher priority, so its programs are scheduled first and dQ's take the SMs its
+        # last wave leaves; the caller's stream waits for both. Every tensor either kernel touches was made on the
+        # caller's stream before the fork and is released only after the join, so the allocator needs no
+        # record_stream.
+        caller = torch.cuda.current_stream(q.device)
+        side = _dkdv_stream(q.device)
+        side.wait_stream(caller)
+        with torch.cuda.stream(side):
+            launch_dkdv()
+        launch_dq()
+        caller.wait_stream(side)
     else:
-        c = cfgs.bwd_dkdv
-        tma_dkdv = c.tma and tma_usable(headdim, q, k, v, dout, dq_accum, dk, dv)
-        if tma_dkdv:
-            _ensure_allocator()
-        grid, blocks, blocks_fastest = _launch_grid(nheads_k, c.block_n, c.blocks_fastest, cu_seqlens_k,
-                                                    k.shape[0], batch, max_seqlen_k, heaviest_first=False)
-        attn_bwd_dkdv_kernel[grid](
-            q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks,
-            alibi_slopes,
-            *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
-            *_seq_strides(dout, varlen), *_seq_strides(dq_accum, varlen), *_seq_strides(dk, varlen),
-            *_seq_strides(dv, varlen), *_lse_strides(lse, varlen), hopper_common.alibi_batch_stride(alibi_slopes),
-            nheads, nheads_k, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
-            qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
-            HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq,
-            TMA=tma_dkdv, BLOCKS_FASTEST=blocks_fastest,
-            HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_k, q.device, by_keys=True),
-            EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_q, c.block_m),
-            EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim), DP_FIRST=c.dp_first, **flags,
-            num_warps=c.num_warps, num_stages=c.num_stages,
-        )
-    if atomic_dq:
-        dq.copy_(dq_accum)
-    elif cfgs.gluon_dq and hopper_dq.supported(q, k, v, dout, **gluon_scope):
-        hopper_dq.attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale, softmax_scale, causal, seed_offset=seed_offset,
-                              dropout_p=dropout_p, alibi_slopes=alibi_slopes)
-    else:
-        c = cfgs.bwd_dq
-        tma_dq = c.tma and tma_usable(headdim, k, v)  # not atomic_dq: that branch is taken above
-        if tma_dq:
-            _ensure_allocator()
-        grid, blocks, blocks_fastest = _launch_grid(nheads, c.block_m, c.blocks_fastest, cu_seqlens_q,
-                                                    q.shape[0], batch, max_seqlen_q, heaviest_first=True)
-        attn_bwd_dq_kernel[grid](
-            q, k, v, dout, lse, delta, dq, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes,
-            *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
-            *_seq_strides(dout, varlen), *_seq_strides(dq, varlen), *_lse_strides(lse, varlen),
-            hopper_common.alibi_batch_stride(alibi_slopes),
-            nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
-            qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
-            HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, TMA=tma_dq,
-            BLOCKS_FASTEST=blocks_fastest,
-            HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_q, q.device),
-            EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, c.block_n),
-            EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim),
-            **flags,
-            num_warps=c.num_warps, num_stages=c.num_stages,
-        )
+        launch_dkdv()
+        launch_dq()
     return dq, dk, dv
 
 

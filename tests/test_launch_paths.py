@@ -299,5 +299,6 @@ def test_persistent_grid_rule():
     assert all(kernel_config.persistent_grid("fwd", n, 128) for n in (1, 8, 9, 128))
     assert not any(kernel_config.persistent_grid("fwd", n, 64) for n in (1, 8, 9, 128))
     assert [kernel_config.persistent_grid("dq", n, 128) for n in (1, 8, 9, 64)] == [True, True, False, False]
+    assert not kernel_config.persistent_grid("dq", 8, 128, beside_dkdv=True)  # dQ's programs fill dK/dV's tail
     with pytest.raises(ValueError, match="'dkdv'"):
         kernel_config.persistent_grid("dkdv", 8, 128)

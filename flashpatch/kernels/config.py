@@ -42,6 +42,11 @@ class KernelConfigs:
     gluon_dkdv: bool = False
     gluon_fwd: bool = False  # the same for the forward (kernels/hopper_fwd.py): d128 forward 15-17% faster (v19)
     gluon_dq: bool = False  # and for the separate dQ pass (kernels/hopper_dq.py): d128 dQ 10-18% faster (v19)
+    # The separate dQ pass on the caller's stream while dK/dV runs on a high-priority side stream (ops.attn_bwd_impl),
+    # so dQ's programs take the SMs that the dK/dV grid's last wave leaves idle. Round 26 (NOTES.md v33, H100, GPU
+    # time of a backward, serial -> concurrent): the 1B shape 0.305-0.308 -> 0.292-0.296 ms, GQA n2048 0.906-0.914
+    # -> 0.860-0.874, causal n4096 1.600-1.635 -> 1.567-1.603, d64 GQA n1024 0.753-0.761 -> 0.719-0.720.
+    concurrent_dq: bool = True
 
 
 _OVERRIDE: dict = {}
@@ -225,7 +230,7 @@ def causal_head_group(num_blocks: int, num_sms: int) -> int:
     return 1 << max(0, round(math.log2(num_sms / num_blocks)))
 
 
-def persistent_grid(kernel: str, num_blocks: int, headdim: int) -> bool:
+def persistent_grid(kernel: str, num_blocks: int, headdim: int, beside_dkdv: bool = False) -> bool:
     """Whether the Gluon `kernel` ("fwd" or "dq") runs as a persistent grid (one program per SM taking query blocks
     in turn, hopper_fwd.persistent_tile) for rows of num_blocks query blocks, rather than one program per block.
     Round 26 (NOTES.md v32, H200, GPU kernel time, ms, one program per block -> persistent): the d128 forward gains
@@ -234,11 +239,14 @@ def persistent_grid(kernel: str, num_blocks: int, headdim: int) -> bool:
     block's Q load and first K/V blocks now run under the previous block's steps; the d64 forward (full n4096)
     loses 1-2% (1.283-1.294 -> 1.307-1.308). dQ gains on short rows (0.116 -> 0.108 at the 1B shape) but loses from
     n2048 on (0.335 -> 0.353, n8192 1.090 -> 1.29): a causal persistent grid cannot keep `head_group`'s head
-    groups, whose L2 sharing dQ needs there, and with at most 8 blocks per head the rule has none anyway."""
+    groups, whose L2 sharing dQ needs there, and with at most 8 blocks per head the rule has none anyway. A dQ
+    that runs beside dK/dV (KernelConfigs.concurrent_dq) starts its programs as dK/dV's finish, where per-block
+    programs fill in and a persistent program's fixed share of the blocks would end late: per block there (the 1B
+    shape's backward 0.297-0.298 -> 0.292-0.296 ms, H100, scripts/concurrent_bwd_bench.py)."""
     if kernel == "fwd":
         return headdim == 128
     if kernel == "dq":
-        return num_blocks <= 8
+        return num_blocks <= 8 and not beside_dkdv
     raise ValueError(f"persistent_grid: kernel must be 'fwd' or 'dq', got {kernel!r}")
 
 

@@ -11,7 +11,7 @@ Reads the LSE (natural log) and delta = rowsum(dO * O) that the forward and back
 Its programs, K/V ring and producer loop are the forward's (hopper_fwd.py). Scope: `supported`, the forward's and
 dropout (the Gluon forward has none: drawn there, the keep bits cost more than in the Triton forward, NOTES.md v23).
 A persistent grid (`_persistent_dq`), as the forward's, where config.persistent_grid chooses it (rows of at most 8
-query blocks).
+query blocks, when dK/dV does not run beside it).
 """
 
 from __future__ import annotations
@@ -329,10 +329,10 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
 
 
 def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: float, causal: bool,
-                seed_offset=None, dropout_p: float = 0.0, alibi_slopes=None) -> None:
+                seed_offset=None, dropout_p: float = 0.0, alibi_slopes=None, beside_dkdv: bool = False) -> None:
     """dQ (written into dq, (B, Sq, H, D)) for a call `supported` accepted; lse, delta: (B, H, Sq) fp32;
     seed_offset: the forward's (2,) int64 (ops.draw_seed_offset) when dropout_p > 0; alibi_slopes: None or float32
-    (H,) / (B, H)."""
+    (H,) / (B, H); beside_dkdv: the dK/dV kernel runs at the same time on another stream (config.persistent_grid)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     q_desc, q_rows, q_cols = descriptor(q, BLOCK_M)
@@ -342,7 +342,7 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
     num_tiles = batch * nheads * triton.cdiv(seqlen_q, BLOCK_M)
     num_m = triton.cdiv(seqlen_q, BLOCK_M)
     order = head_group(causal, num_m, q.device)
-    persistent = persistent_grid("dq", num_m, headdim) if PERSISTENT is None else PERSISTENT
+    persistent = persistent_grid("dq", num_m, headdim, beside_dkdv) if PERSISTENT is None else PERSISTENT
     if persistent:  # as hopper_fwd.attn_fwd's
         grid = (min(num_tiles, sm_count(q.device)),)
         order = 0 if causal else order
