@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import flashpatch
+from flashpatch import ops
 from flashpatch.kernels import config as kernel_config
 from flashpatch.reference import attention_reference
 from tests.helpers import check_against_reference, random_qkv
@@ -46,10 +47,12 @@ def test_matches_float64_reference(case):
     check_against_reference(out, grads, q, k, v, dout, **kwargs)
 
 
-@pytest.mark.parametrize("atomic_dq", [False, True])
-def test_dq_strategies_agree_with_reference(atomic_dq):
+@pytest.mark.parametrize("strategy", [{"atomic_dq": False}, {"atomic_dq": True}, {"concurrent_dq": True}], ids=str)
+def test_dq_strategies_agree_with_reference(strategy, monkeypatch):
+    # concurrent_dq forks a CUDA side stream for dK/dV; CPU tensors (the interpreter) run dK/dV and dQ in turn
+    monkeypatch.setattr(ops, "_dkdv_stream", lambda device: pytest.fail("side stream requested for a CPU call"))
     q, k, v = random_qkv(2, 45, 77, 4, 2, 32, torch.float32)
-    with kernel_config.override(atomic_dq=atomic_dq):
+    with kernel_config.override(**strategy):
         out = flashpatch.flash_attn_func(q, k, v, causal=True)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)

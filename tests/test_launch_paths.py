@@ -302,14 +302,3 @@ def test_persistent_grid_rule():
     assert not kernel_config.persistent_grid("dq", 8, 128, beside_dkdv=True)  # dQ's programs fill dK/dV's tail
     with pytest.raises(ValueError, match="'dkdv'"):
         kernel_config.persistent_grid("dkdv", 8, 128)
-
-
-def test_concurrent_dq_stays_on_one_stream_off_cuda(monkeypatch):
-    # KernelConfigs.concurrent_dq forks a CUDA side stream; CPU tensors (the interpreter) run dK/dV and dQ in turn
-    monkeypatch.setattr(ops, "_dkdv_stream", lambda device: pytest.fail("side stream requested for a CPU call"))
-    q, k, v = random_qkv(1, 33, 33, 2, 1, 16, torch.float32)
-    with kernel_config.override(concurrent_dq=True):
-        out = flashpatch.flash_attn_func(q, k, v, causal=True)
-        dout = torch.randn_like(out)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
-    check_against_reference(out, grads, q, k, v, dout, causal=True)

@@ -202,7 +202,7 @@ if AVAILABLE:
         warpgroup's matmuls read the wrong shared memory whenever the unmasked loop had no trips (a causal tile
         at the diagonal: its rows 1-63 wrong in the forward, an illegal address in dQ), while the second
         warpgroup, the same code, was right; the one-loop form is exact (scripts/persistent_debug.py, NOTES.md
-        v31)."""
+        v32)."""
         s_layout: gl.constexpr = zero_s.type.layout
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEADDIM, 16])  # (queries, D)
