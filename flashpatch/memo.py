@@ -18,12 +18,17 @@ _MAX_TENSORS = 8  # a forward uses a few (a mask, cu_seqlens_q and _k); older on
 _MEMO: dict[int, tuple[weakref.ref, int, dict]] = {}  # id(tensor) -> (weak ref, version, {key: value})
 
 
+@torch.compiler.disable
 def once_per_tensor(tensor: torch.Tensor, key: tuple, compute: Callable[[], T]) -> T:
     """compute(), reused while the same tensor, not modified in place, comes back with the same key. Never
-    reused under torch.compile tracing or for inference tensors (they keep no version counter). A compute() that
-    raises leaves nothing behind, so a failed check fails again next time."""
+    reused for inference tensors (they keep no version counter). A compute() that raises leaves nothing behind, so
+    a failed check fails again next time.
+
+    Run eagerly under torch.compile (what it computes depends on tensor values: unpadding indices, document
+    bounds), so a compiled model still derives them once per forward, not once per layer; traced, each call site's
+    `compute` would be a guard of its own and recompile this function."""
     try:
-        version = None if torch.compiler.is_compiling() else tensor._version
+        version = tensor._version
     except RuntimeError:  # inference tensors keep no version counter
         version = None
     if version is None:

@@ -33,7 +33,7 @@ if str(REPO) not in sys.path:
 
 import measure  # noqa: E402  (recipes/ is sys.path[0] when this file is run)
 import report  # noqa: E402
-from train_config import TrainConfig, parse_config, to_dict  # noqa: E402
+from train_config import CUDA_GRAPH_MODES, TrainConfig, parse_config, to_dict  # noqa: E402
 
 OOM_ERRORS = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),)
 
@@ -141,6 +141,8 @@ def build_training(impl: str, cfg: TrainConfig, accelerator, tokenizer):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / ramp))
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
+    if cfg.compile:
+        model = torch.compile(model, mode=cfg.compile)  # compiles at the first (warm-up) steps
     return model, optimizer, scheduler
 
 
@@ -154,6 +156,8 @@ def device_inputs(impl: str, cfg: TrainConfig, batch: dict, device: torch.device
 
 def train_step(model, optimizer, scheduler, accelerator, cfg: TrainConfig, batch_dev: dict) -> torch.Tensor:
     """One optimizer step on one batch; returns the loss."""
+    if cfg.compile in CUDA_GRAPH_MODES:
+        torch.compiler.cudagraph_mark_step_begin()  # a new step: the graphs' previous outputs may be overwritten
     loss = model(**batch_dev, use_cache=False).loss
     accelerator.backward(loss)
     if cfg.max_grad_norm > 0:
@@ -378,7 +382,8 @@ def main(argv: list[str] | None = None) -> dict:
         # Last on stdout, so `... | tail` shows it.
         print(
             f"\n## {cfg.name}: {cfg.data_mode}, seq {cfg.seq_len}, batch {cfg.batch_size} x "
-            f"{accelerator.num_processes}, {out['environment']['device_name']}, {accelerator.mixed_precision}\n"
+            f"{accelerator.num_processes}, {out['environment']['device_name']}, {accelerator.mixed_precision}"
+            f"{f', torch.compile {cfg.compile}' if cfg.compile else ''}\n"
         )
         print(report.markdown_table(out), flush=True)
     return out

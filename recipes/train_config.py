@@ -15,6 +15,8 @@ from pathlib import Path
 import yaml
 
 IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "fpatch")
+COMPILE_MODES = ("", "default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that replay the step's kernels as CUDA graphs
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
 
 
@@ -52,6 +54,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0  # 0 = no clipping
     gradient_checkpointing: bool = False
+    # torch.compile the model: "" = no; "default"; "reduce-overhead" (CUDA graphs: the step's kernels replay without
+    # host time per launch, what small host-bound models want); "max-autotune-no-cudagraphs"; "max-autotune"
+    compile: str = ""
     mixed_precision: str = ""  # no | bf16 | fp16 through Accelerator(mixed_precision=...); "" = accelerate's setting
     seed: int = 0  # same model init and same batches for every implementation
 
@@ -85,6 +90,8 @@ def _check(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"data_mode must be padded, packed, unpadded or dense, got {cfg.data_mode!r}")
     if cfg.mixed_precision not in ("", "no", "bf16", "fp16"):
         raise ValueError(f"mixed_precision must be no, bf16 or fp16, got {cfg.mixed_precision!r}")
+    if cfg.compile not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {COMPILE_MODES} ('' = no torch.compile), got {cfg.compile!r}")
     if cfg.steps < 1 or cfg.warmup_steps < 0:
         raise ValueError("need steps >= 1 and warmup_steps >= 0")
     return cfg

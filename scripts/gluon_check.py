@@ -43,6 +43,8 @@ hk.attn_bwd_dkdv = _counted
 # name: (batch, seqlen_q, seqlen_k, heads, kv heads, head dim, causal[, dropout p])
 SHAPES = {
     "1b": (8, 1024, 1024, 16, 4, 128, True),  # the 1B recipe's attention
+    "tiny": (1, 128, 128, 16, 4, 128, True),  # the 1B model's heads on one tile: host time without GPU time
+    "tiny64": (1, 128, 128, 12, 4, 64, True),  # llama_125m's heads on one tile (the Triton kernels)
     "c4k": (4, 4096, 4096, 16, 16, 128, True),
     "c8k": (2, 8192, 8192, 16, 16, 128, True),
     "c16k": (1, 16384, 16384, 16, 16, 128, True),

@@ -142,7 +142,7 @@ def main():
         ("validation.check_attention_args", lambda: validation.check_attention_args(
             qd, kd, vd, 0.0, None, causal, (-1, -1), 0.0, varlen=False)),
         ("FlashAttnFunction.apply, no grad", lambda: FlashAttnFunction.apply(qd, kd, vd, None, None, sq, sk, args_,
-                                                                            False)),
+                                                                            False, None)),
         ("flash_attn_func forward, inputs need grad", lambda: flashpatch.flash_attn_func(q, k, v, causal=causal)),
         ("backward alone (retain_graph)", lambda: out_g.backward(dout, retain_graph=True)),
         ("torch.autograd.grad alone (retain_graph)", lambda: torch.autograd.grad(out_g, (q, k, v), dout,

@@ -378,3 +378,28 @@ def test_concurrent_dq_matches_serial(case, monkeypatch):
     for serial, concurrent in zip(grads[False], grads[True]):
         assert not torch.isnan(serial).any()
         assert torch.equal(serial, concurrent)
+
+
+@pytest.mark.parametrize("layout", ["dense", "padded", "packed"])
+def test_compiled_patched_model_compiles_once(layout):
+    # tests/test_patch.py checks this on the CPU with dynamo alone; here inductor compiles the rest of the model
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from tests._patch_models import build
+    from tests.test_patch import compile_batches, forward_backward
+
+    model = flashpatch.patch_model(build("llama").to("cuda", torch.bfloat16))
+    batches = [{k: v.cuda() if torch.is_tensor(v) else v for k, v in b.items()} for b in compile_batches(layout)]
+    eager = [forward_backward(model, batch)[1] for batch in batches]
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model)
+    frames = []
+    for batch, loss_e in zip(batches, eager):
+        loss_c = forward_backward(compiled, batch)[1]
+        frames.append(counters["frames"]["total"])
+        assert torch.isfinite(loss_c)
+        torch.testing.assert_close(loss_c, loss_e, rtol=2e-2, atol=2e-2)  # bf16, inductor fuses differently
+    assert frames[1] == frames[0], f"the second step compiled {frames[1] - frames[0]} more frames"
+    torch._dynamo.reset()

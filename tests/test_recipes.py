@@ -262,6 +262,9 @@ def test_config_yaml_and_overrides(tmp_path):
         parse_config(["--config", str(bad)])
     with pytest.raises(ValueError, match="implementations"):
         parse_config(["--implementations", "eager,flash_attention_2"])
+    assert parse_config(["--compile", "reduce-overhead"]).compile == "reduce-overhead"
+    with pytest.raises(ValueError, match="'fast'"):
+        parse_config(["--compile", "fast"])
 
 
 def test_oom_is_a_result_and_the_next_implementation_runs(monkeypatch, short_docs):

@@ -84,6 +84,7 @@ def is_document_mask(mask: torch.Tensor) -> bool:
     return mask.dim() == 2 and mask.dtype == torch.int32 and bool((mask < 0).any())
 
 
+@torch.compiler.disable
 def fpatch_mask(
     batch_size: int,
     q_length: int,
@@ -102,6 +103,10 @@ def fpatch_mask(
         (B, kv_length) bool                 padding mask, True = real token: unpad -> varlen kernel -> pad
         (B, S) int32, negative              packed documents (see `encode_documents`): varlen kernel
         (B, 1, q_length, kv_length) bool    exact mask of a pattern the kernels cannot express: masked fallback
+
+    Runs eagerly under torch.compile (one graph break per forward, before the layers): what it decides depends on
+    tensor values (is anything padded, is there more than one document per row) and on the mask predicate's
+    closure, which dynamo cannot read; the layers then compile as one graph on the path it chose.
     """
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
@@ -125,6 +130,11 @@ def fpatch_mask(
             use_vmap=use_vmap,
             **kwargs,
         )
+    if packed is not None and not bool((packed[:, -1] != 0).any()):
+        # Under torch.compile transformers cannot test whether position_ids hold several documents (data-dependent),
+        # so every compiled forward gets a "packed" mask, of one document per row when the rows are dense. Tested
+        # here, where it runs eagerly (see above): dense rows keep the dense kernel.
+        packed = None
     if packed is not None:
         # transformers only detects packing without a padding mask and without a cache, so q_length == kv_length
         if attention_mask is not None or q_length != kv_length or tuple(packed.shape) != (batch_size, q_length):

@@ -64,12 +64,16 @@ def _check_supported(models: list) -> None:
 
 
 def _install_probe(model: torch.nn.Module, state: dict) -> None:
-    """Until one forward has run, check that it really called the flashpatch attention function at least once."""
+    """Until one forward has run, check that it really called the flashpatch attention function at least once. Eager
+    forwards only: under torch.compile the attention function does not count its calls (transformers.CALLS)."""
 
     def before(module, args):
-        state["calls_before"] = _hf.CALLS[0]
+        if not torch.compiler.is_compiling():
+            state["calls_before"] = _hf.CALLS[0]
 
     def after(module, args, output):
+        if torch.compiler.is_compiling():
+            return
         if _hf.CALLS[0] == state.get("calls_before", _hf.CALLS[0]):
             raise RuntimeError(
                 f"flashpatch: {type(module).__name__}.forward ran without calling the '{_hf.ATTN_IMPLEMENTATION}' "

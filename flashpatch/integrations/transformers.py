@@ -30,7 +30,9 @@ ATTN_IMPLEMENTATION = "fpatch"
 
 logger = logging.getLogger("flashpatch")
 _warned: set[str] = set()
-# Incremented on every call; patch_model's first-forward probe reads it to prove the model really dispatches here.
+# Incremented on every eager call; patch_model's first-forward probe reads it to prove the model really dispatches
+# here. Not under torch.compile: a traced global counter is a guard on its value, so every layer's call would
+# recompile the function (and past dynamo's recompile limit run eagerly between graph breaks: 4x slower training).
 CALLS = [0]
 
 
@@ -122,6 +124,12 @@ def _padding_layouts(mask: torch.Tensor, k_len: int, q_len: int):
     return keys, queries
 
 
+# The padded and packed layouts run eagerly under torch.compile (a graph break per layer, as in transformers' own
+# flash-attention path): their token counts and longest sequence are values read from the mask, which traced code
+# would guard on, recompiling for every new batch composition.
+
+
+@torch.compiler.disable
 def _run_padded(q, k, v, mask: torch.Tensor, flash_kwargs: dict) -> torch.Tensor:
     """q (B, Sq, H, D), k/v (B, Sk, Hk, D), mask (B, Sm) 0/1 -> (B, Sq, H, D), zeros at padded queries.
 
@@ -137,12 +145,26 @@ def _run_padded(q, k, v, mask: torch.Tensor, flash_kwargs: dict) -> torch.Tensor
     return pad_input(out, indices_q, batch, q_len)
 
 
+@torch.compiler.disable
 def _run_packed(q, k, v, cu_q, cu_k, max_q, max_k, flash_kwargs: dict) -> torch.Tensor:
     """Rows hold several documents back to back; no token attends across a document boundary."""
     batch, q_len = q.shape[:2]
     q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))  # (B * S, H, D)
     out = _kernels.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **flash_kwargs)
     return out.reshape(batch, q_len, *out.shape[1:])
+
+
+@torch.compiler.disable
+def _run_flattened(q, k, v, kwargs: dict, flash_kwargs: dict) -> torch.Tensor:
+    """One row of documents given by cu_seq_lens_q/k kwargs (DataCollatorWithFlattening)."""
+    return _run_packed(q, k, v, *_varlen_from_kwargs(kwargs), flash_kwargs)
+
+
+@torch.compiler.disable
+def _run_documents(q, k, v, documents: torch.Tensor, flash_kwargs: dict) -> torch.Tensor:
+    """Packed rows from a (B, S) document-id mask (hf_masks.encode_documents)."""
+    cu_seqlens, max_seqlen = once_per_tensor(documents, ("documents",), lambda: _cu_seqlens_from_documents(documents))
+    return _run_packed(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, flash_kwargs)
 
 
 def fpatch_attention_forward(
@@ -160,7 +182,8 @@ def fpatch_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention-interface function. Returns ((B, Sq, H, Dv), None)."""
-    CALLS[0] += 1
+    if not torch.compiler.is_compiling():
+        CALLS[0] += 1
     _refuse_unsupported(module, s_aux, kwargs)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     softcap = float(softcap) if softcap else 0.0
@@ -191,14 +214,11 @@ def fpatch_attention_forward(
         softcap=softcap,
         deterministic=bool(deterministic if deterministic is not None else torch.are_deterministic_algorithms_enabled()),
     )
-    packed_kwargs = _varlen_from_kwargs(kwargs)
-    if packed_kwargs is not None:
-        out = _run_packed(q, k, v, *packed_kwargs, flash_kwargs)
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        out = _run_flattened(q, k, v, kwargs, flash_kwargs)
     elif attention_mask is not None and once_per_tensor(attention_mask, ("is documents",),
                                                         lambda: is_document_mask(attention_mask)):
-        cu_seqlens, max_seqlen = once_per_tensor(attention_mask, ("documents",),
-                                                 lambda: _cu_seqlens_from_documents(attention_mask))
-        out = _run_packed(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, flash_kwargs)
+        out = _run_documents(q, k, v, attention_mask, flash_kwargs)
     elif attention_mask is not None:
         out = _run_padded(q, k, v, attention_mask, flash_kwargs)
     else:
