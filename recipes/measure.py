@@ -95,6 +95,40 @@ def rss_gib() -> float | None:
         return None
 
 
+class TritonCompiles:
+    """Triton kernels compiled in this process while entered (a JIT cache miss: the binary may still come from
+    Triton's disk cache). A first-time code path, such as the first batch of one layout in a run of mixed batches,
+    compiles its kernels inside the step that meets it, for seconds on a fresh machine: the step's count tells such
+    a step from a slow GPU. `take()` returns the count since its last call."""
+
+    def __init__(self):
+        self._count, self._previous = 0, None
+        try:
+            from triton import knobs
+
+            self._runtime = knobs.runtime
+        except ImportError:  # older Triton: nothing counted
+            self._runtime = None
+
+    def __enter__(self) -> TritonCompiles:
+        if self._runtime is not None:
+            self._previous = self._runtime.jit_cache_hook
+            self._runtime.jit_cache_hook = self._on_compile
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._runtime is not None:
+            self._runtime.jit_cache_hook = self._previous
+
+    def _on_compile(self, *args, **kwargs):
+        self._count += 1
+        return self._previous(*args, **kwargs) if self._previous else False  # False: compile as usual
+
+    def take(self) -> int:
+        taken, self._count = self._count, 0
+        return taken
+
+
 class GcPauses:
     """Host time spent in Python's garbage collector while entered. A training step keeps the host only a little
     ahead of the GPU, so a collection during a step delays the next launches by its length, which the GPU can wait

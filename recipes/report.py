@@ -50,6 +50,21 @@ def markdown_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def compile_notes(report: dict) -> list[str]:
+    """A line per implementation whose measured steps compiled Triton kernels: those steps' times include the
+    compile, so the mean (and tokens/s) understate the steady state, the median does not."""
+    notes = []
+    for r in report["results"]:
+        steps = [(i, n, t) for i, (n, t) in enumerate(zip(r.get("triton_compiles") or [], r.get("step_times_ms") or []))
+                 if n]
+        if steps:
+            listed = ", ".join(f"step {i + 1}: {n} kernels, {t:,.0f} ms" for i, n, t in steps)
+            notes.append(f"\n{r['implementation']}: Triton compiled kernels during measured steps ({listed}), a code "
+                         "path met for the first time in this process (a fresh machine has no disk cache); tokens/s "
+                         "includes it, the median step does not.")
+    return notes
+
+
 def write_json(report: dict, out_dir: Path) -> Path:
     path = out_dir / "results.json"
     path.write_text(json.dumps(report, indent=2, default=str))

@@ -179,21 +179,23 @@ def train_one(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer) -> d
     head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
     attn_width = mcfg.num_attention_heads * head_dim  # query heads x head dim: the width of QKᵀ and PV
 
-    raw = {"losses": [], "step_times": [], "gc_ms": [], "gc_full": 0, "tokens": 0, "padded_tokens": 0, "flops": 0.0,
+    raw = {"losses": [], "step_times": [], "gc_ms": [], "gc_full": 0, "compiles": [], "tokens": 0, "padded_tokens": 0, "flops": 0.0,
            "rss": []}
     total = cfg.warmup_steps + cfg.steps
     bar = tqdm(total=total, desc=impl, disable=not accelerator.is_local_main_process, dynamic_ncols=True)
-    gc_pauses = measure.GcPauses()
+    gc_pauses, compiles = measure.GcPauses(), measure.TritonCompiles()
     for step, batch in enumerate(batches):
         batch_dev = device_inputs(impl, cfg, batch, device)  # made before the clock starts, like a collator's work
         _sync(device)
         gc_pauses.take()
-        with gc_pauses:
+        compiles.take()
+        with gc_pauses, compiles:
             start = time.perf_counter()
             loss = train_step(model, optimizer, scheduler, accelerator, cfg, batch_dev)
             _sync(device)
             elapsed = time.perf_counter() - start
         step_gc_ms, step_gc_full = gc_pauses.take()
+        step_compiles = compiles.take()
 
         mean_loss = accelerator.reduce(loss.detach().float(), reduction="mean").item()  # the curve: mean over ranks
         raw["losses"].append(mean_loss)
@@ -201,6 +203,7 @@ def train_one(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer) -> d
         if step >= cfg.warmup_steps:
             raw["step_times"].append(elapsed)
             raw["gc_ms"].append(step_gc_ms)
+            raw["compiles"].append(step_compiles)
             raw["gc_full"] += step_gc_full
             lengths = measure.segment_lengths(batch)
             raw["tokens"] += sum(lengths)
@@ -273,6 +276,8 @@ def run_implementation(impl: str, cfg: TrainConfig, accelerator, batches, tokeni
         # host ms inside Python's garbage collector per measured step, and the full (generation 2) collections
         gc_ms=[round(t, 2) for t in raw["gc_ms"]],
         gc_full_collections=raw["gc_full"],
+        # Triton kernels compiled during each measured step (a code path met for the first time in this process)
+        triton_compiles=raw["compiles"],
         measured_steps=len(raw["step_times"]),
         real_tokens=int(tokens),
         padded_tokens=int(padded),
@@ -386,6 +391,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"{f', torch.compile {cfg.compile}' if cfg.compile else ''}\n"
         )
         print(report.markdown_table(out), flush=True)
+        for note in report.compile_notes(out):
+            print(note, flush=True)
     return out
 
 

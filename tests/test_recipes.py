@@ -244,6 +244,30 @@ def test_gc_pauses_counts_collections_only_while_entered():
     del junk
 
 
+def test_triton_compiles_counted_only_while_entered_and_reported():
+    from triton import knobs
+
+    seen = []
+    knobs.runtime.jit_cache_hook = lambda **kw: seen.append(kw) or False  # a hook already in place (a profiler's)
+    try:
+        compiles = measure.TritonCompiles()
+        with compiles:
+            for _ in range(3):  # what Triton calls before each in-process compile
+                assert knobs.runtime.jit_cache_hook(key="k", repr="r") is False  # False: compile as usual
+        assert compiles.take() == 3 and compiles.take() == 0
+        assert len(seen) == 3, "the hook in place still sees every compile"
+    finally:
+        restored = knobs.runtime.jit_cache_hook
+        knobs.runtime.jit_cache_hook = None
+    assert restored is not None and restored is not compiles._on_compile
+    results = {"results": [
+        {"implementation": "sdpa", "triton_compiles": [0, 0], "step_times_ms": [50.0, 51.0]},
+        {"implementation": "fpatch", "triton_compiles": [0, 4], "step_times_ms": [40.0, 3386.0]},
+    ]}
+    (note,) = report.compile_notes(results)
+    assert "fpatch" in note and "step 2: 4 kernels, 3,386 ms" in note
+
+
 def test_config_yaml_and_overrides(tmp_path):
     cfg = parse_config(["--config", str(REPO / "configs" / "tiny_cpu.yaml")])
     assert cfg.name == "tiny_cpu" and cfg.output_dir == os.path.join("runs", "tiny_cpu")
