@@ -179,8 +179,8 @@ def train_one(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer) -> d
     head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
     attn_width = mcfg.num_attention_heads * head_dim  # query heads x head dim: the width of QKᵀ and PV
 
-    raw = {"losses": [], "step_times": [], "gc_ms": [], "gc_full": 0, "compiles": [], "tokens": 0, "padded_tokens": 0, "flops": 0.0,
-           "rss": []}
+    raw = {"losses": [], "step_times": [], "gc_ms": [], "gc_full": 0, "compiles": [], "tokens": 0, "padded_tokens": 0,
+           "flops": 0.0, "rss": []}
     total = cfg.warmup_steps + cfg.steps
     bar = tqdm(total=total, desc=impl, disable=not accelerator.is_local_main_process, dynamic_ncols=True)
     gc_pauses, compiles = measure.GcPauses(), measure.TritonCompiles()
