@@ -27,6 +27,8 @@ class FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, args: AttnArgs,
                 deterministic: bool, alibi_slopes):
+        if cu_seqlens_k is None:  # `run` passes one tensor once (see there)
+            cu_seqlens_k = cu_seqlens_q
         # The (seed, offset) pair lives on the device and is saved for backward, which regenerates the same
         # mask from it. Drawn from torch's generator, so manual_seed and checkpoint's RNG replay both hold.
         seed_offset = ops.draw_seed_offset(q.device) if args.dropout_p > 0 else None
@@ -59,8 +61,11 @@ class FlashAttnFunction(torch.autograd.Function):
     @classmethod
     def run(cls, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, args: AttnArgs,
             deterministic: bool, return_attn_probs: bool, alibi_slopes=None):
+        # The same cu_seqlens for queries and keys (self-attention over packed documents) goes in once: torch.compile
+        # cannot trace an autograd.Function given one tensor twice, and would break the graph at every layer.
+        shared_k = None if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k
         out, lse, seed_offset = cls.apply(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, args, deterministic, alibi_slopes)
+            q, k, v, cu_seqlens_q, shared_k, max_seqlen_q, max_seqlen_k, args, deterministic, alibi_slopes)
         if not return_attn_probs:
             return out
         pattern = None

@@ -163,3 +163,21 @@ def test_checked_cu_seqlens_are_rechecked_after_an_in_place_change():
     cu[2] = 1  # lengths 3, -2, 11
     with pytest.raises(ValueError, match="non-decreasing"):
         flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7)
+
+
+def test_shared_cu_seqlens_compile_in_one_graph():
+    # self-attention over packed documents passes one cu_seqlens tensor as both cu_seqlens_q and cu_seqlens_k; an
+    # autograd.Function given one tensor twice cannot be traced, which broke the graph at every layer of a compiled
+    # model (fullgraph=True turns a break into an error)
+    cu = cu_seqlens_from_lengths(torch.tensor([5, 11, 1]))
+    q, k, v = (torch.randn(17, 2, 16, requires_grad=True) for _ in range(3))
+
+    def attend(q, k, v, cu):
+        return flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, 11, 11, causal=True)
+
+    out = torch.compile(attend, fullgraph=True, backend="aot_eager")(q, k, v, cu)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    expected = attend(q, k, v, cu)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    for got, want in zip(grads, torch.autograd.grad(expected, (q, k, v), torch.ones_like(expected))):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

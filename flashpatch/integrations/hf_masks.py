@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch._dynamo  # maybe_mark_dynamic (torch.compiler.disable loads it anyway)
 
 # Leaf predicates whose effect the kernels reproduce from their own arguments (causal flag, window, varlen layout).
 _KNOWN_LEAVES = {
@@ -71,17 +72,17 @@ def analyze_pattern(mask_function: Callable) -> tuple[bool, torch.Tensor | None]
     return False, None
 
 
-def encode_documents(packed_sequence_mask: torch.Tensor) -> torch.Tensor:
-    """(B, S) document index 0, 1, ... -> (B, S) int32 -1, -2, ...
-
-    Negative so that it can never be mistaken for a padding mask (0/1 or bool): the attention function tells the two
-    apart by sign, and a model that mangles it cannot silently turn it into padding.
-    """
-    return -(packed_sequence_mask.to(torch.int32) + 1)
-
-
-def is_document_mask(mask: torch.Tensor) -> bool:
-    return mask.dim() == 2 and mask.dtype == torch.int32 and bool((mask < 0).any())
+def document_cu_seqlens(packed_sequence_mask: torch.Tensor) -> torch.Tensor:
+    """(B, S) document index per token -> (documents + 1,) int32 cu_seqlens over the B * S tokens read row by row
+    (a row's first token always starts a document). Marked dynamic in its length, so that a compiled model does
+    not recompile for each new number of documents."""
+    starts = torch.ones_like(packed_sequence_mask, dtype=torch.bool)  # (B, S)
+    starts[:, 1:] = packed_sequence_mask[:, 1:] != packed_sequence_mask[:, :-1]
+    flat = starts.flatten()
+    begin = torch.nonzero(flat).flatten().to(torch.int32)
+    cu_seqlens = torch.cat([begin, begin.new_tensor([flat.numel()])])
+    torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
+    return cu_seqlens
 
 
 @torch.compiler.disable
@@ -101,7 +102,7 @@ def fpatch_mask(
     Returns one of:
         None                                no padding, no packing: dense kernel
         (B, kv_length) bool                 padding mask, True = real token: unpad -> varlen kernel -> pad
-        (B, S) int32, negative              packed documents (see `encode_documents`): varlen kernel
+        (documents + 1,) int32              packed documents: cu_seqlens over the B * S tokens (`document_cu_seqlens`)
         (B, 1, q_length, kv_length) bool    exact mask of a pattern the kernels cannot express: masked fallback
 
     Runs eagerly under torch.compile (one graph break per forward, before the layers): what it decides depends on
@@ -143,7 +144,7 @@ def fpatch_mask(
                 f"(mask {None if attention_mask is None else tuple(attention_mask.shape)}, q_length={q_length}, "
                 f"kv_length={kv_length})"
             )
-        return encode_documents(packed.expand(batch_size, -1))
+        return document_cu_seqlens(packed.expand(batch_size, -1))
     if attention_mask is None:
         return None
     # Keep the last kv_length columns: with a sliding-window cache the keys are the most recent ones.

@@ -7,7 +7,7 @@ without one, transformers hands a custom implementation no padding mask at all).
 
 Batch layouts, decided per call from what the mask function returned and the kwargs:
     2D bool padding mask            -> unpad q/k/v -> flash_attn_varlen_func -> pad back  (left/right padding, q < kv)
-    2D negative int32 document ids  -> flash_attn_varlen_func over documents             (packed rows, position_ids)
+    1D int32 cu_seqlens             -> flash_attn_varlen_func over documents             (packed rows, position_ids)
     cu_seq_lens_q/k (+ max_length)  -> flash_attn_varlen_func                            (DataCollatorWithFlattening)
     nothing                         -> flash_attn_func                                   (dense, bottom-right causal)
     4D mask                         -> exact PyTorch fallback, warned once               (patterns kernels can't express)
@@ -22,9 +22,9 @@ import torch.nn.functional as F
 
 from flashpatch import interface as _kernels
 from flashpatch.integrations.hf_fallback import masked_attention
-from flashpatch.integrations.hf_masks import fpatch_mask, is_document_mask
+from flashpatch.integrations.hf_masks import fpatch_mask
 from flashpatch.memo import once_per_tensor
-from flashpatch.padding import cu_seqlens_from_starts, max_seqlen_from_cu_seqlens, pad_input, padding_layout
+from flashpatch.padding import max_seqlen_from_cu_seqlens, pad_input, padding_layout
 
 ATTN_IMPLEMENTATION = "fpatch"
 
@@ -92,13 +92,6 @@ def _window(sliding_window: int | None, causal: bool) -> tuple[int, int]:
     return (sliding_window - 1, 0 if causal else sliding_window - 1)
 
 
-def _cu_seqlens_from_documents(documents: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(B, S) document ids -> cu_seqlens over the flattened B * S tokens; a row start always starts a document."""
-    starts = torch.ones_like(documents, dtype=torch.bool)  # (B, S)
-    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    return cu_seqlens_from_starts(starts)
-
-
 def _varlen_from_kwargs(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and cu_k is None:
@@ -124,9 +117,29 @@ def _padding_layouts(mask: torch.Tensor, k_len: int, q_len: int):
     return keys, queries
 
 
-# The padded and packed layouts run eagerly under torch.compile (a graph break per layer, as in transformers' own
-# flash-attention path): their token counts and longest sequence are values read from the mask, which traced code
-# would guard on, recompiling for every new batch composition.
+def _attend_rows(q, k, v, cu_q, cu_k, max_q, max_k, flash_kwargs: dict) -> torch.Tensor:
+    """q (B, Sq, H, D), k/v (B, Sk, Hk, D) rows holding documents back to back, cu_q/cu_k over the flattened rows
+    -> (B, Sq, H, D); no token attends across a document boundary."""
+    batch, q_len = q.shape[:2]
+    q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))  # (B * S, H, D)
+    out = _kernels.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **flash_kwargs)
+    return out.reshape(batch, q_len, *out.shape[1:])
+
+
+def _run_documents(q, k, v, cu_seqlens: torch.Tensor, flash_kwargs: dict) -> torch.Tensor:
+    """Packed rows from hf_masks' cu_seqlens. Traced under torch.compile: the longest document is then bounded by
+    the row length (a length read from cu_seqlens would be a value traced code guards on, a recompile per batch);
+    eagerly it is read once per forward."""
+    if torch.compiler.is_compiling():
+        longest = q.shape[1]
+    else:
+        longest = once_per_tensor(cu_seqlens, ("longest",), lambda: max_seqlen_from_cu_seqlens(cu_seqlens))
+    return _attend_rows(q, k, v, cu_seqlens, cu_seqlens, longest, longest, flash_kwargs)
+
+
+# Padded rows and cu_seq_lens kwargs run eagerly under torch.compile (a graph break per layer, as in transformers'
+# own flash-attention path): their token counts and longest sequence are values read from the mask or kwargs,
+# which traced code would guard on, recompiling for every new batch composition.
 
 
 @torch.compiler.disable
@@ -146,25 +159,9 @@ def _run_padded(q, k, v, mask: torch.Tensor, flash_kwargs: dict) -> torch.Tensor
 
 
 @torch.compiler.disable
-def _run_packed(q, k, v, cu_q, cu_k, max_q, max_k, flash_kwargs: dict) -> torch.Tensor:
-    """Rows hold several documents back to back; no token attends across a document boundary."""
-    batch, q_len = q.shape[:2]
-    q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))  # (B * S, H, D)
-    out = _kernels.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **flash_kwargs)
-    return out.reshape(batch, q_len, *out.shape[1:])
-
-
-@torch.compiler.disable
 def _run_flattened(q, k, v, kwargs: dict, flash_kwargs: dict) -> torch.Tensor:
     """One row of documents given by cu_seq_lens_q/k kwargs (DataCollatorWithFlattening)."""
-    return _run_packed(q, k, v, *_varlen_from_kwargs(kwargs), flash_kwargs)
-
-
-@torch.compiler.disable
-def _run_documents(q, k, v, documents: torch.Tensor, flash_kwargs: dict) -> torch.Tensor:
-    """Packed rows from a (B, S) document-id mask (hf_masks.encode_documents)."""
-    cu_seqlens, max_seqlen = once_per_tensor(documents, ("documents",), lambda: _cu_seqlens_from_documents(documents))
-    return _run_packed(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, flash_kwargs)
+    return _attend_rows(q, k, v, *_varlen_from_kwargs(kwargs), flash_kwargs)
 
 
 def fpatch_attention_forward(
@@ -188,7 +185,7 @@ def fpatch_attention_forward(
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     softcap = float(softcap) if softcap else 0.0
 
-    if attention_mask is not None and attention_mask.dim() != 2:
+    if attention_mask is not None and attention_mask.dim() not in (1, 2):
         _warn_once(
             "mask4d",
             f"flashpatch: {type(module).__name__} got a {attention_mask.dim()}-D attention mask (a custom mask, or a "
@@ -216,8 +213,7 @@ def fpatch_attention_forward(
     )
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
         out = _run_flattened(q, k, v, kwargs, flash_kwargs)
-    elif attention_mask is not None and once_per_tensor(attention_mask, ("is documents",),
-                                                        lambda: is_document_mask(attention_mask)):
+    elif attention_mask is not None and attention_mask.dim() == 1:  # packed documents (hf_masks.fpatch_mask)
         out = _run_documents(q, k, v, attention_mask, flash_kwargs)
     elif attention_mask is not None:
         out = _run_padded(q, k, v, attention_mask, flash_kwargs)
