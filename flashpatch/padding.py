@@ -85,10 +85,15 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tens
 def cu_seqlens_from_starts(starts: torch.Tensor) -> tuple[torch.Tensor, int]:
     """starts: bool, True at each sequence's first token (the first token must be one), any shape; read in
     flattened order -> (cu_seqlens int32 over the flattened tokens, max_seqlen)."""
+    cu_seqlens = cu_seqlens_of_starts(starts)
+    return cu_seqlens, max_seqlen_from_cu_seqlens(cu_seqlens)
+
+
+def cu_seqlens_of_starts(starts: torch.Tensor) -> torch.Tensor:
+    """`cu_seqlens_from_starts` without the longest sequence (which costs a second host sync)."""
     flat = starts.flatten()
     begin = torch.nonzero(flat, as_tuple=False).flatten().to(torch.int32)
-    cu_seqlens = torch.cat([begin, begin.new_tensor([flat.numel()])])
-    return cu_seqlens, max_seqlen_from_cu_seqlens(cu_seqlens)
+    return torch.cat([begin, begin.new_tensor([flat.numel()])])
 
 
 def max_seqlen_from_cu_seqlens(cu_seqlens: torch.Tensor) -> int:

@@ -21,6 +21,8 @@ from collections.abc import Callable
 import torch
 import torch._dynamo  # maybe_mark_dynamic (torch.compiler.disable loads it anyway)
 
+from flashpatch.padding import cu_seqlens_of_starts
+
 # Leaf predicates whose effect the kernels reproduce from their own arguments (causal flag, window, varlen layout).
 _KNOWN_LEAVES = {
     "causal_mask_function",
@@ -78,9 +80,7 @@ def document_cu_seqlens(packed_sequence_mask: torch.Tensor) -> torch.Tensor:
     not recompile for each new number of documents."""
     starts = torch.ones_like(packed_sequence_mask, dtype=torch.bool)  # (B, S)
     starts[:, 1:] = packed_sequence_mask[:, 1:] != packed_sequence_mask[:, :-1]
-    flat = starts.flatten()
-    begin = torch.nonzero(flat).flatten().to(torch.int32)
-    cu_seqlens = torch.cat([begin, begin.new_tensor([flat.numel()])])
+    cu_seqlens = cu_seqlens_of_starts(starts)
     torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
     return cu_seqlens
 

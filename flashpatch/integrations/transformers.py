@@ -92,10 +92,9 @@ def _window(sliding_window: int | None, causal: bool) -> tuple[int, int]:
     return (sliding_window - 1, 0 if causal else sliding_window - 1)
 
 
-def _varlen_from_kwargs(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+def _varlen_from_kwargs(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(cu_q, cu_k, max_q, max_k) from cu_seq_lens_q/_k and max_length_q/_k, at least one cu_seq_lens given."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is None and cu_k is None:
-        return None
     cu_q = (cu_q if cu_q is not None else cu_k).to(torch.int32)
     cu_k = (cu_k if cu_k is not None else cu_q).to(torch.int32)
     max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
