@@ -279,7 +279,7 @@ def attn_fwd_impl(
             q, k, v, varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
             window_right=window_right, softcap=softcap, dropout_p=dropout_p):
         hopper_fwd.attn_fwd(q, k, v, out, lse, _scales(softmax_scale, softcap)[0], causal=window_right == 0,
-                            alibi_slopes=alibi_slopes)
+                            alibi_slopes=alibi_slopes, fold=cfgs.fold_scale)
         return out, lse
     cfg = cfgs.fwd
     tma = cfg.tma and tma_usable(headdim, q, k, v, out)
@@ -300,6 +300,7 @@ def attn_fwd_impl(
         HEAD_GROUP=_head_group(cfg, varlen, window_left, window_right, max_seqlen_q, q.device),
         EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, cfg.block_n),
         EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim),
+        FOLD=cfgs.fold_scale and softcap == 0 and alibi_slopes is None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse

@@ -2,7 +2,7 @@
 report shared memory, registers and spills, and the barriers in its PTX.
 
     PYTHONPATH=/tmp/t36 python scripts/dump_gluon.py {dkdv,dq,fwd} [--headdim 128] [--causal] [--stages 2] [--dropout]
-        [--alibi] [--persistent]
+        [--alibi] [--persistent] [--set FOLD=1 --set REG_KV=1 ...]
 """
 
 import argparse
@@ -36,6 +36,8 @@ def main():
     parser.add_argument("--dropout", action="store_true", help="dQ with dropout")
     parser.add_argument("--alibi", action="store_true", help="with ALiBi slopes")
     parser.add_argument("--persistent", action="store_true", help="the forward's or dQ's PERSISTENT variant")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=0|1",
+                        help="a boolean constexpr of the kernel (FOLD, REG_KV); unset ones are 0")
     parser.add_argument("--out", default="runs/ir")
     args = parser.parse_args()
     d = args.headdim
@@ -62,6 +64,11 @@ def main():
         consts = dict(CAUSAL=args.causal, HEADDIM=d, HALF_M=hf.HALF_M, BLOCK_N=hf.BLOCK_N,
                       STAGES=args.stages or hf.STAGES, HEAD_GROUP=args.head_group, PERSISTENT=args.persistent)
     consts.update(ALIBI=args.alibi)
+    flags = dict(item.split("=") for item in args.set)
+    consts.update({name: bool(int(flags.pop(name, 0))) for name in fn.arg_names
+                   if name.startswith(("REG_", "FOLD"))})
+    if flags:
+        raise ValueError(f"--set names no constexpr of this kernel: {sorted(flags)}")
     if not args.alibi:
         consts.update(ALIBI_SLOPES=None)  # what the JIT makes of a None argument
     sig = {}
@@ -90,7 +97,8 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / (f"{args.kernel}_gluon_d{d}{'_causal' if args.causal else ''}{'_dropout' if args.dropout else ''}"
-                  f"{'_alibi' if args.alibi else ''}{'_persistent' if args.persistent else ''}")
+                  f"{'_alibi' if args.alibi else ''}{'_persistent' if args.persistent else ''}"
+                  + "".join(f"_{item.split('=')[0].lower()}" for item in args.set if item.endswith("=1")))
     ptx = kernel.asm["ptx"]
     stem.with_suffix(".ttgir").write_text(kernel.asm["ttgir"])
     stem.with_suffix(".ptx").write_text(ptx)

@@ -7,8 +7,12 @@ A variant is a VARIANTS entry (Gluon dK/dV or not, its stages, its grid order) p
 its grid form as config.persistent_grid chooses), "+pfwd" / "+npfwd" (the Gluon forward as a persistent grid or as
 one program per query block, hopper_fwd.PERSISTENT), "+dq" / "+dq128" (the Gluon dQ, 64- or 128-key steps),
 "+pdq" / "+npdq" (the Gluon dQ's grid forced, hopper_dq.PERSISTENT), "+m128" (the d64 Gluon dK/dV
-with 128-query steps) and "+gN" (every kernel's grid in head groups of N, config.head_group; g0: all heads in one
-group; a persistent grid orders causal blocks its own way). Round 17's logs
+with 128-query steps), "+gN" (every kernel's grid in head groups of N, config.head_group; g0: all heads in one
+group; a persistent grid orders causal blocks its own way), and round 28's register operands and folded scale:
+"+fold" / "+nofold" (config.KernelConfigs.fold_scale), "+rkv" / "+norkv" (hopper_dkdv.REGISTER_KV forced on or
+off). Its measured losers, removed since: "+rq" (the forward's Q, and "+rqdo" the dQ kernel's Q and dO, held in
+registers as matmul operands) and "+rk" (K alone). The base "default" runs each kernel that config chooses (no override).
+--check-extras applies such extras (e.g. "nofold+norkv") to the float64 check. Round 17's logs
 also name variants since removed: "carry" (dK/dV left in flight into the next step) and "fwdskew" (the forward's
 intra-warpgroup skew), NOTES.md v19.
 """
@@ -60,7 +64,8 @@ SHAPES = {
     "dropc2k": (8, 2048, 2048, 16, 16, 128, True, 0.1),  # dropout: Triton fwd, dK/dV (atomic dQ here)
     "dropc8k": (2, 8192, 8192, 16, 16, 128, True, 0.1),
 }
-VARIANTS = {  # name: (Gluon dK/dV, its stages, its grid order: None = config.head_group's)
+VARIANTS = {  # name: (Gluon dK/dV (None: config's choice of every kernel), its stages, its grid order)
+    "default": (None, 2, None),
     "triton": (False, 2, None),
     "gluon": (True, 2, None),
     "gluon s3": (True, 3, None),
@@ -70,9 +75,15 @@ VARIANTS = {  # name: (Gluon dK/dV, its stages, its grid order: None = config.he
 
 
 def grads(q, k, v, dout, causal, gluon, gluon_fwd=False, gluon_dq=False, dropout_p=0.0):
-    with kc.override(gluon_dkdv=gluon, gluon_fwd=gluon_fwd, gluon_dq=gluon_dq):
+    fields = {} if gluon is None else dict(gluon_dkdv=gluon, gluon_fwd=gluon_fwd, gluon_dq=gluon_dq)
+    with kc.override(**fields):
         out = flashpatch.flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal)
         return torch.autograd.grad(out, (q, k, v), dout)
+
+
+def apply_register_extras(extras):
+    """Round 28's kernel flags from a variant's extras (module docstring)."""
+    hk.REGISTER_KV = True if "rkv" in extras else False if "norkv" in extras else None
 
 
 def reference_grads(q, k, v, dout, causal, upcast):
@@ -160,6 +171,10 @@ def timing(shapes, variants):
             hq.BLOCK_N = 128 if "dq128" in extras else 64
             hq.PERSISTENT = True if "pdq" in extras else False if "npdq" in extras else None
             gluon, hk.STAGES, order = VARIANTS[base]
+            apply_register_extras(extras)
+            fold = {"fold": True, "nofold": False}
+            kc._OVERRIDE = {key: value for key, value in kc._OVERRIDE.items() if key != "fold_scale"}
+            kc._OVERRIDE.update({"fold_scale": fold[e] for e in extras if e in fold})
             hk.BLOCK_M[64] = 128 if "m128" in extras else 64  # +m128: 128-query steps in the d64 Gluon dK/dV
             groups = [int(e[1:]) for e in extras if e[:1] == "g" and e[1:].isdigit()]
             kc.HEAD_GROUP_OVERRIDE = groups[0] if groups else order
@@ -184,12 +199,17 @@ def main():
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--shapes", default="1b,c4k,c8k,f4k,f8k,d64c8k")
     parser.add_argument("--variants", default="triton,gluon+fwd+dq")
+    parser.add_argument("--check-extras", default="", help="round 28's flags for the check, e.g. nofold+norkv")
     parser.add_argument("--check-head-group", type=int, default=None,
                         help="the check's grid order (config.head_group); default: its rule")
     args = parser.parse_args()
     if not args.skip_check:
         kc.HEAD_GROUP_OVERRIDE = args.check_head_group
+        apply_register_extras(args.check_extras.split("+"))
+        fold = {"fold": True, "nofold": False}
+        kc._OVERRIDE = {"fold_scale": fold[e] for e in args.check_extras.split("+") if e in fold}
         check()
+        kc._OVERRIDE = {}
     timing(args.shapes.split(","), args.variants.split(","))
 
 

@@ -302,3 +302,25 @@ def test_persistent_grid_rule():
     assert not kernel_config.persistent_grid("dq", 8, 128, beside_dkdv=True)  # dQ's programs fill dK/dV's tail
     with pytest.raises(ValueError, match="'dkdv'"):
         kernel_config.persistent_grid("dkdv", 8, 128)
+
+
+@pytest.mark.parametrize("fold", [True, False])
+@pytest.mark.parametrize("seqlens,kwargs", [
+    ((113, 17), {"causal": True}),  # Sq > Sk: bottom-right alignment leaves the first 96 rows with no key
+    ((17, 113), {"window_size": (9, 3)}),
+    ((33, 33), {}),
+    ((1, 17), {"causal": True}),
+    ((33, 51), {"softcap": 3.0}),  # the folded form does not apply: softcap needs the scaled scores
+], ids=str)
+def test_folded_scale_softmax_matches_reference(fold, seqlens, kwargs):
+    # KernelConfigs.fold_scale: the max over the raw scores and exp2(qk * scale - max) must give the same output,
+    # LSE (natural log, +inf for rows with no key) and gradients as the scaled-scores form
+    q, k, v = random_qkv(2, *seqlens, 4, 2, 40, torch.float16)
+    with kernel_config.override(fold_scale=fold):
+        out, lse, _ = flashpatch.flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    lse64 = check_against_reference(out, grads, q, k, v, dout, **kwargs)
+    empty = torch.isinf(lse64)
+    assert torch.equal(torch.isinf(lse), empty) and (out.transpose(1, 2)[empty] == 0).all()
+    torch.testing.assert_close(lse[~empty].double(), lse64[~empty].double(), rtol=1e-3, atol=1e-3)

@@ -47,6 +47,10 @@ class KernelConfigs:
     # time of a backward, serial -> concurrent): the 1B shape 0.305-0.308 -> 0.292-0.296 ms, GQA n2048 0.906-0.914
     # -> 0.860-0.874, causal n4096 1.600-1.635 -> 1.567-1.603, d64 GQA n1024 0.753-0.761 -> 0.719-0.720.
     concurrent_dq: bool = True
+    # The forwards' softmax with the scale folded into the exponent: the row max over the raw scores, then
+    # exp2(qk * scale - max) as one fused multiply-add per score instead of a multiply and a subtraction
+    # (forward.py, hopper_fwd.py; not with softcap or ALiBi, which need the scaled scores).
+    fold_scale: bool = True
 
 
 _OVERRIDE: dict = {}

@@ -22,6 +22,7 @@ def _fwd_inner(
     HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, EVEN: tl.constexpr,
+    FOLD: tl.constexpr,
 ):
     zero64 = tl.zeros((), dtype=tl.int64)  # loop offsets times strides in 64 bits
     for start in range(start_n, end_n, BLOCK_N):
@@ -32,19 +33,28 @@ def _fwd_inner(
             kv_mask = (offs_n[None, :] < seqlen_k) & (offs_d[:, None] < HEADDIM)
             k_t = load_tile(k_ptrs + (start + zero64) * stride_ks, kv_mask, 0.0, EVEN)  # (D, BN)
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)  # (BM, BN), fp32
-        if SOFTCAP:
-            s = cap_log2 * tanh(qk * qk_scale)  # log2 units
+        if FOLD:  # no softcap or ALiBi: the max over the raw scores, the scale inside exp2's argument (one FMA)
+            if MASKED:
+                ok = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right,
+                             HAS_LEFT, HAS_RIGHT)
+                qk = tl.where(ok, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # qk_scale >= 0 (validation): the same max
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(qk * qk_scale - m_safe[:, None])
         else:
-            s = qk * qk_scale
-        if ALIBI:
-            s += alibi_bias(alibi_log2, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k)
-        if MASKED:
-            ok = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right,
-                         HAS_LEFT, HAS_RIGHT)
-            s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
-        p = tl.exp2(s - m_safe[:, None])
+            if SOFTCAP:
+                s = cap_log2 * tanh(qk * qk_scale)  # log2 units
+            else:
+                s = qk * qk_scale
+            if ALIBI:
+                s += alibi_bias(alibi_log2, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k)
+            if MASKED:
+                ok = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right,
+                             HAS_LEFT, HAS_RIGHT)
+                s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
+            p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)  # normalizer of the undropped softmax
         if DROPOUT:
@@ -73,7 +83,7 @@ def attn_fwd_kernel(
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr, BLOCKS_FASTEST: tl.constexpr, HEAD_GROUP: tl.constexpr, EVEN: tl.constexpr,
-    EVEN_INTERIOR: tl.constexpr,
+    EVEN_INTERIOR: tl.constexpr, FOLD: tl.constexpr,
 ):
     off_b, off_h, off_hk, q_start, seqlen_q, k_start, seqlen_k, m0 = query_block_program(
         CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS, nheads, group_size, max_seqlen_q, max_seqlen_k, BLOCK_M,
@@ -126,17 +136,17 @@ def attn_fwd_kernel(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, lo, full_lo,
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, alibi_log2, seed, offset, drop_rows,
         max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-        DOT_PRECISION, TMA, EVEN)
+        DOT_PRECISION, TMA, EVEN, FOLD)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, full_lo, full_hi,
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, alibi_log2, seed, offset, drop_rows,
         max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-        DOT_PRECISION, TMA, EVEN_INTERIOR)
+        DOT_PRECISION, TMA, EVEN_INTERIOR, FOLD)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_ks, stride_vs, offs_m, offs_d, full_hi, hi,
         seqlen_q, seqlen_k, window_left, window_right, qk_scale, cap_log2, alibi_log2, seed, offset, drop_rows,
         max_seqlen_k, dropout_p, HEADDIM, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-        DOT_PRECISION, TMA, EVEN)
+        DOT_PRECISION, TMA, EVEN, FOLD)
 
     empty = l_i == 0.0  # the row sees no key: output 0, LSE +inf (so backward recomputes P = 0)
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]

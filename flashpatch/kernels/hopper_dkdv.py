@@ -45,6 +45,9 @@ HALF_N = 64  # keys per consumer warpgroup
 BLOCK_N = 2 * HALF_N  # keys per program
 STAGES = 2  # Q/dO ring depth (3 within noise: scripts/gluon_check.py)
 MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
+# K and V held in registers as the A operands of K Qᵀ and V dOᵀ (`_consumer`): None follows `register_kv`; True /
+# False force it (scripts/gluon_check.py "+rkv" / "+norkv").
+REGISTER_KV: bool | None = None
 
 
 if AVAILABLE:
@@ -80,7 +83,7 @@ if AVAILABLE:
                   LSE, DELTA, DK, DV, ALIBI_SLOPES, lse_base, lse_per_head, dk_base, stride_dks, dv_base, stride_dvs,
                   alibi_base, n0, shift, m_lo, n_mblocks, total, qk_scale, softmax_scale,
                   WG: gl.constexpr, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                  HALF_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr):
+                  HALF_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])  # (keys, queries)
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -98,6 +101,10 @@ if AVAILABLE:
         dv = warpgroup_mma_init(gl.zeros([HALF_N, HEADDIM], gl.float32, acc_layout))
 
         mbarrier.wait(kv_bar, 0)
+        if REG_KV:  # K and V as the register operands of every K Qᵀ and V dOᵀ (register_kv)
+            operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+            k_s = k_s.load(operand)
+            v_s = v_s.load(operand)
         for i in range(total):
             s = i % STAGES
             g, m0 = _step_position(i, m_lo, n_mblocks, BLOCK_M)
@@ -140,7 +147,7 @@ if AVAILABLE:
         stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lse_b, stride_lse_h,
         stride_alibi_b, nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
-        STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr,
+        STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr,
     ):
         BLOCK_N: gl.constexpr = 2 * HALF_N
         num_n = gl.cdiv(seqlen_k, BLOCK_N)
@@ -178,11 +185,11 @@ if AVAILABLE:
             (_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV, ALIBI_SLOPES,
                          lse_base, stride_lse_h, dk_base, stride_dks, dv_base, stride_dvs,
                          alibi_base, n0, shift, m_lo, n_mblocks, total, qk_scale, softmax_scale,
-                         0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI)),
+                         0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV)),
             (_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV, ALIBI_SLOPES,
                          lse_base, stride_lse_h, dk_base, stride_dks, dv_base, stride_dvs,
                          alibi_base, n0, shift, m_lo, n_mblocks, total, qk_scale, softmax_scale,
-                         1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI)),
+                         1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
                          off_b * q_rows[0] + off_h0 * q_rows[1], q_rows[1], off_h0 * q_cols, q_cols,
                          off_b * do_rows[0] + off_h0 * do_rows[1], do_rows[1], off_h0 * do_cols, do_cols,
@@ -201,6 +208,15 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
                          softcap=softcap, dropout_p=dropout_p):
         return False
     return max_seqlen_q % BLOCK_M[q.shape[-1]] == 0 and max_seqlen_k % BLOCK_N == 0
+
+
+def register_kv(headdim: int) -> bool:
+    """Whether `_consumer` holds its K and V rows in registers, so that the K Qᵀ and V dOᵀ matmuls read only Qᵀ and
+    dOᵀ from shared memory (from shared memory, an m64n64 wgmma needs both operands' 4 KB per 32 cycles, the
+    shared memory's whole 128 B per cycle). At head dim 64 that is 32 registers a thread (round 28, H200, GPU kernel
+    time: d64 causal n4096 dK/dV 1.487 -> 1.442 ms); at head dim 128, 64 registers, and the kernel spills (404-688 B
+    a thread where it spilled 72)."""
+    return headdim <= 64
 
 
 def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_scale: float, causal: bool,
@@ -224,5 +240,5 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
         nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale,
         CAUSAL=causal, HEADDIM=headdim, BLOCK_M=block_m, HALF_N=HALF_N, STAGES=STAGES,
         HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_k, BLOCK_N), q.device), ALIBI=alibi_slopes is not None,
-        num_warps=4, maxnreg=MAXNREG,
+        REG_KV=register_kv(headdim) if REGISTER_KV is None else REGISTER_KV, num_warps=4, maxnreg=MAXNREG,
     )

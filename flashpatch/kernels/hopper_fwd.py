@@ -138,7 +138,7 @@ if AVAILABLE:
     @gluon.jit
     def _fwd_step(i, ring, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
                   shift, qk_scale, alibi_log2, MASKED: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr):
+                  STAGES: gl.constexpr, FOLD: gl.constexpr):
         """Key block i into (acc, m_i, l_i), from the ring's slot `ring` (= i but in a persistent program); offs_n:
         the block's key indices relative to its start."""
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
@@ -148,7 +148,7 @@ if AVAILABLE:
         qk = warpgroup_mma(q_s, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))  # (HALF_M, BLOCK_N)
         p, m_new, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2, MASKED,
-                                               ALIBI, BLOCK_N)
+                                               ALIBI, BLOCK_N, FOLD)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
         mbarrier.wait(ready_v.index(s), phase)
         acc = warpgroup_mma(gl.convert_layout(p.to(q_s.dtype), a_layout), v_bufs.index(s), acc, is_async=True)
@@ -158,8 +158,23 @@ if AVAILABLE:
 
     @gluon.jit
     def _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2, MASKED: gl.constexpr,
-                        ALIBI: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Scores of key block i into (P, new running max, new running sum, rescale factor of the old sums)."""
+                        ALIBI: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr):
+        """Scores of key block i into (P, new running max, new running sum, rescale factor of the old sums); the
+        running max is in log2 units.
+
+        FOLD (not with ALiBi, whose bias must be added to the scaled scores): the row max is taken over the raw
+        scores and scaled once per row, and the scale goes into the exponent's subtraction as one fused
+        multiply-add per score, instead of a multiply per score and then a subtraction (qk_scale >= 0, which
+        validation ensures, keeps the max where it was)."""
+        if FOLD:
+            if MASKED:  # bottom-right aligned: key n is visible from query m when n <= m + Sk - Sq
+                visible = (i * BLOCK_N + offs_n)[None, :] <= offs_m[:, None] + shift
+                qk = gl.where(visible, qk, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet stays at 0
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(qk * qk_scale - m_safe[:, None])
+            return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
         scores = qk * qk_scale  # log2 units
         if ALIBI:
             scores += alibi_bias(alibi_log2, offs_m[:, None] + shift, (i * BLOCK_N + offs_n)[None, :])
@@ -176,7 +191,7 @@ if AVAILABLE:
     def _fwd_consumer(q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base, stride_os, lse_base,
                       m0, shift, n_full, n_steps, qk_scale, alibi_log2,
                       WG: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, ALIBI: gl.constexpr):
+                      STAGES: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
         q_s = q_smem.slice(WG * HALF_M, HALF_M)  # (HALF_M, D)
@@ -185,14 +200,15 @@ if AVAILABLE:
         zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
         acc, m_i, l_i = _fwd_block(q_s, q_bar, 0, 0, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
                                    shift, n_full, n_steps, qk_scale, alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES,
-                                   ALIBI, False)
+                                   ALIBI, False, FOLD)
         _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, m0 + WG * HALF_M, q_s.dtype,
                       HEADDIM, HALF_M)
 
     @gluon.jit
     def _fwd_block(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift,
                    n_full, n_steps, qk_scale, alibi_log2, HEADDIM: gl.constexpr, HALF_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, ONE_LOOP: gl.constexpr):
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, ONE_LOOP: gl.constexpr,
+                   FOLD: gl.constexpr):
         """A consumer warpgroup's HALF_M query rows offs_m, once their Q has landed (q_bar's phase q_phase): the key
         blocks below the diagonal without a mask, then the masked ones, read from the K/V ring from slot `ring` on.
         Returns (acc, m_i, l_i) for `_fwd_epilogue`.
@@ -215,20 +231,20 @@ if AVAILABLE:
                 if i < n_full:
                     acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v,
                                               empty, zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, False,
-                                              ALIBI, BLOCK_N, STAGES)
+                                              ALIBI, BLOCK_N, STAGES, FOLD)
                 else:
                     acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v,
                                               empty, zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, True,
-                                              ALIBI, BLOCK_N, STAGES)
+                                              ALIBI, BLOCK_N, STAGES, FOLD)
         else:
             for i in range(0, n_full):
                 acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
                                           zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, False, ALIBI, BLOCK_N,
-                                          STAGES)
+                                          STAGES, FOLD)
             for i in range(n_full, n_steps):
                 acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
                                           zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, True, ALIBI, BLOCK_N,
-                                          STAGES)
+                                          STAGES, FOLD)
         return acc, m_i, l_i
 
     @gluon.jit
@@ -306,7 +322,7 @@ if AVAILABLE:
                                  stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
                                  WG: gl.constexpr, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr,
                                  HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                 HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr):
+                                 HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr):
         """`_fwd_consumer` over this program's tiles, the producer's order; releases Q (`q_empty`) after the
         tile's last step, before its epilogue."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -328,7 +344,7 @@ if AVAILABLE:
                 offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
                 acc, m_i, l_i = _fwd_block(q_s, q_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs, ready_k,
                                            ready_v, empty, zero_s, offs_m, offs_n, shift, n_full, n_steps, qk_scale,
-                                           alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, True)
+                                           alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, True, FOLD)
                 mbarrier.arrive(q_empty.index(qb))
                 _fwd_epilogue(acc, m_i, l_i, O, LSE, off_b * stride_ob + off_h * stride_oh, stride_os,
                               off_b * stride_lse_b + off_h * stride_lse_h, offs_m, m0 + WG * HALF_M, q_s.dtype,
@@ -344,12 +360,13 @@ if AVAILABLE:
         num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, PERSISTENT: gl.constexpr,
+        FOLD: gl.constexpr,
     ):
         if PERSISTENT:  # num_tiles: batch x heads x query blocks, which the programs take in turn
             _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols, k_rows, k_cols, v_rows,
                             v_cols, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
                             num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, CAUSAL, HEADDIM, HALF_M,
-                            BLOCK_N, STAGES, HEAD_GROUP, ALIBI)
+                            BLOCK_N, STAGES, HEAD_GROUP, ALIBI, FOLD)
             return
         off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_program(
             seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_GROUP)
@@ -365,10 +382,10 @@ if AVAILABLE:
         gl.warp_specialize([
             (_fwd_consumer, (q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base, stride_os,
                              lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, 0, HEADDIM, HALF_M, BLOCK_N,
-                             STAGES, ALIBI)),
+                             STAGES, ALIBI, FOLD)),
             (_fwd_consumer, (q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base, stride_os,
                              lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, 1, HEADDIM, HALF_M, BLOCK_N,
-                             STAGES, ALIBI)),
+                             STAGES, ALIBI, FOLD)),
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
                              off_b * q_rows[0] + off_h * q_rows[1] + m0, off_h * q_cols,
                              off_b * k_rows[0] + off_hk * k_rows[1], off_hk * k_cols,
@@ -381,7 +398,7 @@ if AVAILABLE:
                         stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
                         num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, CAUSAL: gl.constexpr,
                         HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr):
+                        HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr):
         """The PERSISTENT kernel body: two Q buffers (the next tile's Q loads under this one's steps), the K/V
         ring, and the same three partitions looping over the program's tiles."""
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
@@ -392,11 +409,13 @@ if AVAILABLE:
             (_fwd_consumer_persistent, (q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
                                         ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
                                         stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
-                                        0, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI)),
+                                        0, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI,
+                                        FOLD)),
             (_fwd_consumer_persistent, (q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
                                         ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
                                         stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
-                                        1, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI)),
+                                        1, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI,
+                                        FOLD)),
             (producer_persistent, (q_desc, None, k_desc, v_desc, q_bufs, None, k_bufs, v_bufs, ready_k, ready_v,
                                    empty, q_ready, q_empty, q_rows, q_cols, None, None, k_rows, k_cols, v_rows,
                                    v_cols, num_tiles, nheads, group_size, seqlen_q, seqlen_k, CAUSAL, 2 * HALF_M,
@@ -413,9 +432,10 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool
             and max_seqlen_q % BLOCK_M == 0 and max_seqlen_k % BLOCK_N == 0)
 
 
-def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None) -> None:
+def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None, fold: bool = False) -> None:
     """out (B, Sq, H, D) and lse (B, H, Sq, float32, natural log) for a call `supported` accepted; q: (B, Sq, H, D),
-    k, v: (B, Sk, Hk, D); qk_scale = softmax_scale * log2(e); alibi_slopes: None or float32 (H,) / (B, H)."""
+    k, v: (B, Sk, Hk, D); qk_scale = softmax_scale * log2(e); alibi_slopes: None or float32 (H,) / (B, H); fold:
+    config.KernelConfigs.fold_scale (`_softmax_update`)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     q_desc, q_rows, q_cols = descriptor(q, BLOCK_M)
@@ -438,5 +458,6 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
         num_tiles, nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale,
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HEAD_GROUP=order, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
+        FOLD=fold and alibi_slopes is None,
         num_warps=4, maxnreg=MAXNREG,
     )
