@@ -36,6 +36,7 @@ def main():
     parser.add_argument("--dropout", action="store_true", help="dQ with dropout")
     parser.add_argument("--alibi", action="store_true", help="with ALiBi slopes")
     parser.add_argument("--persistent", action="store_true", help="the forward's or dQ's PERSISTENT variant")
+    parser.add_argument("--consumers", type=int, default=0, help="the forward's consumer warpgroups (0: its rule)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=0|1",
                         help="a boolean constexpr of the kernel (FOLD, REG_KV); unset ones are 0")
     parser.add_argument("--out", default="runs/ir")
@@ -60,9 +61,13 @@ def main():
                       HEAD_GROUP=args.head_group, DROPOUT=args.dropout, PERSISTENT=args.persistent)
     else:
         fn, maxnreg = hf.attn_fwd_hopper_kernel, hf.MAXNREG
-        descs = {"q_desc": desc(hf.BLOCK_M), "k_desc": desc(hf.BLOCK_N), "v_desc": desc(hf.BLOCK_N)}
+        consumers = args.consumers or (2 if args.persistent else hf.CONSUMERS_BY_HEADDIM[d])
+        maxnreg = hf.MAXNREG if consumers == 2 else hf.MAXNREG_3
+        descs = {"q_desc": desc(hf.BLOCK_M if consumers == 2 else hf.HALF_M), "k_desc": desc(hf.BLOCK_N),
+                 "v_desc": desc(hf.BLOCK_N)}
         consts = dict(CAUSAL=args.causal, HEADDIM=d, HALF_M=hf.HALF_M, BLOCK_N=hf.BLOCK_N,
-                      STAGES=args.stages or hf.STAGES, HEAD_GROUP=args.head_group, PERSISTENT=args.persistent)
+                      STAGES=args.stages or hf.STAGES, HEAD_GROUP=args.head_group, PERSISTENT=args.persistent,
+                      CONSUMERS=consumers)
     consts.update(ALIBI=args.alibi)
     flags = dict(item.split("=") for item in args.set)
     consts.update({name: bool(int(flags.pop(name, 0))) for name in fn.arg_names
@@ -96,7 +101,7 @@ def main():
                             options={"num_warps": 4, "maxnreg": maxnreg})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / (f"{args.kernel}_gluon_d{d}{'_causal' if args.causal else ''}{'_dropout' if args.dropout else ''}"
+    stem = out / (f"{args.kernel}_gluon_d{d}{'_causal' if args.causal else ''}{f'_c{args.consumers}' if args.consumers else ''}{'_dropout' if args.dropout else ''}"
                   f"{'_alibi' if args.alibi else ''}{'_persistent' if args.persistent else ''}"
                   + "".join(f"_{item.split('=')[0].lower()}" for item in args.set if item.endswith("=1")))
     ptx = kernel.asm["ptx"]

@@ -10,7 +10,8 @@ one program per query block, hopper_fwd.PERSISTENT), "+dq" / "+dq128" (the Gluon
 with 128-query steps), "+gN" (every kernel's grid in head groups of N, config.head_group; g0: all heads in one
 group; a persistent grid orders causal blocks its own way), and round 28's register operands and folded scale:
 "+fold" / "+nofold" (config.KernelConfigs.fold_scale), "+rkv" / "+norkv" (hopper_dkdv.REGISTER_KV forced on or
-off). Its measured losers, removed since: "+rq" (the forward's Q, and "+rqdo" the dQ kernel's Q and dO, held in
+off), "+c3" / "+c2" (the d64 Gluon forward with three or two consumer warpgroups,
+hopper_fwd.CONSUMERS_BY_HEADDIM). Its measured losers, removed since: "+rq" (the forward's Q, and "+rqdo" the dQ kernel's Q and dO, held in
 registers as matmul operands) and "+rk" (K alone). The base "default" runs each kernel that config chooses (no override).
 --check-extras applies such extras (e.g. "nofold+norkv") to the float64 check. Round 17's logs
 also name variants since removed: "carry" (dK/dV left in flight into the next step) and "fwdskew" (the forward's
@@ -34,6 +35,7 @@ from flashpatch.kernels import hopper_fwd as hf  # noqa: E402
 from profile_kernels import kernel_times  # noqa: E402
 
 CALLS = {"n": 0}
+CONSUMERS_D64 = hf.CONSUMERS_BY_HEADDIM[64]
 _launch = hk.attn_bwd_dkdv
 
 
@@ -81,9 +83,10 @@ def grads(q, k, v, dout, causal, gluon, gluon_fwd=False, gluon_dq=False, dropout
         return torch.autograd.grad(out, (q, k, v), dout)
 
 
-def apply_register_extras(extras):
+def apply_round28_extras(extras):
     """Round 28's kernel flags from a variant's extras (module docstring)."""
     hk.REGISTER_KV = True if "rkv" in extras else False if "norkv" in extras else None
+    hf.CONSUMERS_BY_HEADDIM[64] = 3 if "c3" in extras else 2 if "c2" in extras else CONSUMERS_D64
 
 
 def reference_grads(q, k, v, dout, causal, upcast):
@@ -171,7 +174,7 @@ def timing(shapes, variants):
             hq.BLOCK_N = 128 if "dq128" in extras else 64
             hq.PERSISTENT = True if "pdq" in extras else False if "npdq" in extras else None
             gluon, hk.STAGES, order = VARIANTS[base]
-            apply_register_extras(extras)
+            apply_round28_extras(extras)
             fold = {"fold": True, "nofold": False}
             kc._OVERRIDE = {key: value for key, value in kc._OVERRIDE.items() if key != "fold_scale"}
             kc._OVERRIDE.update({"fold_scale": fold[e] for e in extras if e in fold})
@@ -205,7 +208,7 @@ def main():
     args = parser.parse_args()
     if not args.skip_check:
         kc.HEAD_GROUP_OVERRIDE = args.check_head_group
-        apply_register_extras(args.check_extras.split("+"))
+        apply_round28_extras(args.check_extras.split("+"))
         fold = {"fold": True, "nofold": False}
         kc._OVERRIDE = {"fold_scale": fold[e] for e in args.check_extras.split("+") if e in fold}
         check()

@@ -127,7 +127,12 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
             # 0.739, n1024 GQA 0.26 -> 0.30); Gluon dK/dV wins on causal rows past SHORT (n4096 / n8192 1.53 / 3.03
             # -> 1.47 / 2.79) and loses without a mask (2.39 -> 2.63) and on short GQA rows (0.40 -> 0.47); the
             # Gluon dQ loses everywhere (n8192 causal 1.33 -> 1.41-1.46). Only where they apply (head dim 64).
-            gluon_fwd=not masked,
+            # Round 28 (NOTES.md v36, H200): the Gluon forward with three consumer warpgroups (192-query programs,
+            # hopper_fwd.CONSUMERS_BY_HEADDIM) against two, full n4096 / n8192 1.29-1.30 / 2.50-2.51 -> 1.14-1.15 /
+            # 2.14-2.18 ms, causal n4096 / n8192 0.73-0.74 / 1.35-1.36 -> 0.68-0.69 / 1.17-1.18 (the Triton forward:
+            # 0.72-0.73 / 1.36-1.37), so it takes causal rows too, but not short ones (n1024 GQA 0.30 -> 0.32 against
+            # the Triton forward's 0.26).
+            gluon_fwd=not (masked and short),
             gluon_dkdv=masked and not short,
         )
     elif block_d <= 128 and masked:

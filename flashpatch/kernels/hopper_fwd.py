@@ -1,19 +1,20 @@
 """Forward attention for Hopper (sm_90) in Gluon, warp-specialized like hopper_dkdv.py: one producer warp and two
-consumer warpgroups per program, synchronised by mbarriers.
+consumer warpgroups per program (three at head dim 64: CONSUMERS_BY_HEADDIM), synchronised by mbarriers.
 
-  producer (1 warp):     Q of the program's 128 queries once; then, per step, TMA loads of a (BLOCK_N, D) tile of K
+  producer (1 warp):     Q of the program's 128 (192) queries once; then, per step, TMA loads of a (BLOCK_N, D) tile of K
                          and one of V into a ring of STAGES buffers, each with its own `ready` mbarrier, so Q Kᵀ
                          can start before V has landed.
   consumer w (4 warps):  queries [m0 + 64 w, m0 + 64 w + 64): per step S = Q Kᵀ, the online softmax in exp2
                          (running max m, running sum l), O = O · exp2(m_old - m) + P V; the stage is released
                          (`empty`, one arrival per consumer) once P V is done.
 
-Neither consumer waits for the other, so one's softmax runs under the other's matmuls. (FA3's intra-warpgroup
+No consumer waits for another, so one's softmax runs under the others' matmuls. (FA3's intra-warpgroup
 skew, block i's softmax under block i-1's P V, measured 0-8% slower on top of that: NOTES.md v19.) Causal masks
 are bottom-right aligned; the steps that cross the diagonal run a masked copy of the step, the others none. ALiBi
 slopes, when given (ALIBI), add -slope * |i + Sk - Sq - j| to every step's scores (`alibi_bias`). LSE is
 stored in natural log, +inf for a row that sees no key (its output is 0), as the Triton forward does (forward.py),
-so both backward kernels take it. Scope: `supported`.
+so both backward kernels take it. Scope: `supported` (with three consumers the last query block may run past the
+rows, which TMA fills from the next head's rows or with zeros, and the stores skip).
 
 A persistent grid (`_persistent_fwd`, where config.persistent_grid chooses it: head dim 128) launches one program per
 SM instead, each looping over query blocks, so that a block's Q load and first K/V blocks run under the
@@ -36,10 +37,16 @@ if AVAILABLE:
         fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 HALF_M = 64  # queries per consumer warpgroup
-BLOCK_M = 2 * HALF_M  # queries per program
+BLOCK_M = 2 * HALF_M  # queries per program with two consumer warpgroups
+# Consumer warpgroups per program (one program per query block; the persistent grid keeps two): FA3 runs head dim 64
+# with three, 192 queries per program, so that two warpgroups' matmuls cover the third's softmax, which at head dim
+# 64 costs as much as its matmuls (scripts/gluon_check.py "+c3").
+# Measured (NOTES.md v36): d64 forward 12-14% faster without a mask, 7-13% with one (H200).
+CONSUMERS_BY_HEADDIM = {64: 3, 128: 2}
 BLOCK_N = 128  # keys per step
 STAGES = 2  # K/V ring depth
 MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
+MAXNREG_3 = 128  # three consumers: 13 warps, launched as 16 (a multiple of 4): 16 x 32 x 128 = 64K
 # The persistent grid (module docstring): None follows config.persistent_grid; True / False force it (the
 # "+pfwd" / "+npfwd" variants of scripts/gluon_check.py, the GPU tests of both forms).
 PERSISTENT: bool | None = None
@@ -97,9 +104,9 @@ if AVAILABLE:
         return -alibi_log2 * gl.abs(rows.to(gl.float32) - cols.to(gl.float32))
 
     @gluon.jit
-    def allocate_kv_ring(k_desc, v_desc, STAGES: gl.constexpr):
+    def allocate_kv_ring(k_desc, v_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
         """The K/V ring (also hopper_dq.py's): STAGES (BLOCK_N, D) tiles of each, a `ready` mbarrier per tile and an
-        `empty` one per stage, which both consumer warpgroups arrive at."""
+        `empty` one per stage, which each of the CONSUMERS consumer warpgroups arrives at."""
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         ready_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -108,7 +115,7 @@ if AVAILABLE:
         for s in gl.static_range(STAGES):
             mbarrier.init(ready_k.index(s), count=1)
             mbarrier.init(ready_v.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+            mbarrier.init(empty.index(s), count=CONSUMERS)  # one arrival per consumer warpgroup
         return k_bufs, v_bufs, ready_k, ready_v, empty
 
     @gluon.jit
@@ -129,9 +136,11 @@ if AVAILABLE:
     @gluon.jit
     def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
                       q_row, q_col, k_row, k_col, v_row, v_col, n_steps,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma_load(q_desc, [q_row, q_col], q_bar, q_smem)
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_TILES: gl.constexpr):
+        """Q's Q_TILES tiles into q_smem (Q_TILES, rows, D), then the program's key blocks (`stream_kv`)."""
+        mbarrier.expect(q_bar, Q_TILES * q_desc.block_type.nbytes)
+        for t in gl.static_range(Q_TILES):
+            tma_load(q_desc, [q_row + t * q_desc.block_type.shape[0], q_col], q_bar, q_smem.index(t))
         stream_kv(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, k_row, k_col, v_row, v_col, n_steps, 0,
                   BLOCK_N, STAGES)
 
@@ -188,21 +197,21 @@ if AVAILABLE:
         return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
     @gluon.jit
-    def _fwd_consumer(q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base, stride_os, lse_base,
-                      m0, shift, n_full, n_steps, qk_scale, alibi_log2,
+    def _fwd_consumer(q_s, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base, stride_os, lse_base,
+                      m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q,
                       WG: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
-        q_s = q_smem.slice(WG * HALF_M, HALF_M)  # (HALF_M, D)
+        # q_s: this warpgroup's (HALF_M, D) rows of Q
         offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
         acc, m_i, l_i = _fwd_block(q_s, q_bar, 0, 0, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
                                    shift, n_full, n_steps, qk_scale, alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES,
                                    ALIBI, False, FOLD)
-        _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, m0 + WG * HALF_M, q_s.dtype,
-                      HEADDIM, HALF_M)
+        _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, m0 + WG * HALF_M, seqlen_q,
+                      q_s.dtype, HEADDIM, HALF_M)
 
     @gluon.jit
     def _fwd_block(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift,
@@ -248,19 +257,19 @@ if AVAILABLE:
         return acc, m_i, l_i
 
     @gluon.jit
-    def _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, row0, dtype: gl.constexpr,
-                      HEADDIM: gl.constexpr, HALF_M: gl.constexpr):
+    def _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, row0, seqlen_q,
+                      dtype: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr):
         """LSE (natural log) and O = acc / l of a warpgroup's HALF_M queries from row0 (offs_m: the same rows in
-        the score layout)."""
+        the score layout), those before seqlen_q (a last query block may run past it: `supported`)."""
         o_layout: gl.constexpr = acc.type.layout
         empty_row = l_i == 0.0  # the row sees no key: output 0, LSE +inf (so backward recomputes P = 0)
         lse = gl.where(empty_row, float("inf"), (m_i + gl.log2(gl.where(empty_row, 1.0, l_i))) * 0.6931471805599453)
-        gl.store(LSE + lse_base + offs_m, lse)
+        gl.store(LSE + lse_base + offs_m, lse, mask=offs_m < seqlen_q)
         l_o = gl.convert_layout(gl.where(empty_row, 1.0, l_i), gl.SliceLayout(1, o_layout))
         out = (acc / l_o[:, None]).to(dtype)
         rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
         offs_d = gl.arange(0, HEADDIM, layout=gl.SliceLayout(0, o_layout))
-        gl.store(O + o_base + rows[:, None] * stride_os + offs_d[None, :], out)
+        gl.store(O + o_base + rows[:, None] * stride_os + offs_d[None, :], out, mask=(rows < seqlen_q)[:, None])
 
     @gluon.jit
     def persistent_tile(rnd, num_programs):
@@ -347,8 +356,8 @@ if AVAILABLE:
                                            alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, True, FOLD)
                 mbarrier.arrive(q_empty.index(qb))
                 _fwd_epilogue(acc, m_i, l_i, O, LSE, off_b * stride_ob + off_h * stride_oh, stride_os,
-                              off_b * stride_lse_b + off_h * stride_lse_h, offs_m, m0 + WG * HALF_M, q_s.dtype,
-                              HEADDIM, HALF_M)
+                              off_b * stride_lse_b + off_h * stride_lse_h, offs_m, m0 + WG * HALF_M, seqlen_q,
+                              q_s.dtype, HEADDIM, HALF_M)
                 ring += n_steps
                 done += 1
 
@@ -360,7 +369,7 @@ if AVAILABLE:
         num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, PERSISTENT: gl.constexpr,
-        FOLD: gl.constexpr,
+        FOLD: gl.constexpr, CONSUMERS: gl.constexpr,
     ):
         if PERSISTENT:  # num_tiles: batch x heads x query blocks, which the programs take in turn
             _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols, k_rows, k_cols, v_rows,
@@ -369,9 +378,11 @@ if AVAILABLE:
                             BLOCK_N, STAGES, HEAD_GROUP, ALIBI, FOLD)
             return
         off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_program(
-            seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_GROUP)
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
-        k_bufs, v_bufs, ready_k, ready_v, empty = allocate_kv_ring(k_desc, v_desc, STAGES)
+            seqlen_q, seqlen_k, nheads, group_size, CAUSAL, CONSUMERS * HALF_M, BLOCK_N, HEAD_GROUP)
+        # Q in Q_TILES TMA tiles (a TMA tile's rows are a power of two: three consumers load one per warpgroup)
+        Q_TILES: gl.constexpr = 1 if CONSUMERS == 2 else CONSUMERS
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_TILES] + q_desc.block_type.shape, q_desc.layout)
+        k_bufs, v_bufs, ready_k, ready_v, empty = allocate_kv_ring(k_desc, v_desc, STAGES, CONSUMERS)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
         fence_async_shared()
@@ -379,19 +390,36 @@ if AVAILABLE:
         o_base = off_b * stride_ob + off_h * stride_oh
         lse_base = off_b * stride_lse_b + off_h * stride_lse_h
         alibi_log2 = head_slope_log2(ALIBI_SLOPES, off_b * stride_alibi_b + off_h, ALIBI)
-        gl.warp_specialize([
-            (_fwd_consumer, (q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base, stride_os,
-                             lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, 0, HEADDIM, HALF_M, BLOCK_N,
-                             STAGES, ALIBI, FOLD)),
-            (_fwd_consumer, (q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base, stride_os,
-                             lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, 1, HEADDIM, HALF_M, BLOCK_N,
-                             STAGES, ALIBI, FOLD)),
-            (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
-                             off_b * q_rows[0] + off_h * q_rows[1] + m0, off_h * q_cols,
-                             off_b * k_rows[0] + off_hk * k_rows[1], off_hk * k_cols,
-                             off_b * v_rows[0] + off_hk * v_rows[1], off_hk * v_cols,
-                             n_steps, BLOCK_N, STAGES)),
-        ], [4, 1], [232, 24])
+        q_row = off_b * q_rows[0] + off_h * q_rows[1] + m0
+        k_row = off_b * k_rows[0] + off_hk * k_rows[1]
+        v_row = off_b * v_rows[0] + off_hk * v_rows[1]
+        if CONSUMERS == 3:  # head dim 64 (CONSUMERS_BY_HEADDIM): 13 warps share the register file
+            gl.warp_specialize([
+                (_fwd_consumer, (q_smem.index(0), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base,
+                                 stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q, 0,
+                                 HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD)),
+                (_fwd_consumer, (q_smem.index(1), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base,
+                                 stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q, 1,
+                                 HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD)),
+                (_fwd_consumer, (q_smem.index(2), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base,
+                                 stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q, 2,
+                                 HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD)),
+                (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
+                                 q_row, off_h * q_cols, k_row, off_hk * k_cols, v_row, off_hk * v_cols, n_steps,
+                                 BLOCK_N, STAGES, Q_TILES)),
+            ], [4, 4, 1], [160, 160, 24])
+        else:
+            gl.warp_specialize([
+                (_fwd_consumer, (q_smem.index(0).slice(0, HALF_M), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O,
+                                 LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2,
+                                 seqlen_q, 0, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD)),
+                (_fwd_consumer, (q_smem.index(0).slice(HALF_M, HALF_M), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
+                                 O, LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2,
+                                 seqlen_q, 1, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD)),
+                (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
+                                 q_row, off_h * q_cols, k_row, off_hk * k_cols, v_row, off_hk * v_cols, n_steps,
+                                 BLOCK_N, STAGES, Q_TILES)),
+            ], [4, 1], [232, 24])
 
     @gluon.jit
     def _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,
@@ -402,7 +430,7 @@ if AVAILABLE:
         """The PERSISTENT kernel body: two Q buffers (the next tile's Q loads under this one's steps), the K/V
         ring, and the same three partitions looping over the program's tiles."""
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-        k_bufs, v_bufs, ready_k, ready_v, empty = allocate_kv_ring(k_desc, v_desc, STAGES)
+        k_bufs, v_bufs, ready_k, ready_v, empty = allocate_kv_ring(k_desc, v_desc, STAGES, 2)
         q_ready, q_empty = allocate_query_barriers()
         fence_async_shared()
         gl.warp_specialize([
@@ -438,13 +466,16 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     config.KernelConfigs.fold_scale (`_softmax_update`)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    q_desc, q_rows, q_cols = descriptor(q, BLOCK_M)
+    persistent = (persistent_grid("fwd", triton.cdiv(seqlen_q, BLOCK_M), headdim) if PERSISTENT is None
+                  else PERSISTENT)
+    consumers = 2 if persistent else CONSUMERS_BY_HEADDIM[headdim]
+    block_m = consumers * HALF_M  # three consumers: the last block may run past seqlen_q (masked stores)
+    q_desc, q_rows, q_cols = descriptor(q, BLOCK_M if consumers == 2 else HALF_M)  # the kernel's Q_TILES
     k_desc, k_rows, k_cols = descriptor(k, BLOCK_N)
     v_desc, v_rows, v_cols = descriptor(v, BLOCK_N)
-    num_tiles = batch * nheads * triton.cdiv(seqlen_q, BLOCK_M)
-    num_m = triton.cdiv(seqlen_q, BLOCK_M)
+    num_m = triton.cdiv(seqlen_q, block_m)
+    num_tiles = batch * nheads * num_m
     order = head_group(causal, num_m, q.device)
-    persistent = persistent_grid("fwd", num_m, headdim) if PERSISTENT is None else PERSISTENT
     if persistent:
         # one program per SM; a causal grid all heads block-major, heaviest first, which persistent_tile's
         # alternating rounds balance (head groups would not balance: scripts/persistent_grid_sim.py)
@@ -458,6 +489,6 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
         num_tiles, nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale,
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HEAD_GROUP=order, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
-        FOLD=fold and alibi_slopes is None,
-        num_warps=4, maxnreg=MAXNREG,
+        FOLD=fold and alibi_slopes is None, CONSUMERS=consumers,
+        num_warps=4, maxnreg=MAXNREG if consumers == 2 else MAXNREG_3,
     )
