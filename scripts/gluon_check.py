@@ -11,7 +11,8 @@ with 128-query steps), "+gN" (every kernel's grid in head groups of N, config.he
 group; a persistent grid orders causal blocks its own way), and round 28's register operands and folded scale:
 "+fold" / "+nofold" (config.KernelConfigs.fold_scale), "+rkv" / "+norkv" (hopper_dkdv.REGISTER_KV forced on or
 off), "+c3" / "+c2" (the d64 Gluon forward with three or two consumer warpgroups,
-hopper_fwd.CONSUMERS_BY_HEADDIM). Its measured losers, removed since: "+rq" (the forward's Q, and "+rqdo" the dQ kernel's Q and dO, held in
+hopper_fwd.CONSUMERS_BY_HEADDIM), "+serial" (dQ after dK/dV, not beside it: each kernel's own time) and "+gdq" (the
+Gluon dQ under the "default" base). Its measured losers, removed since: "+rq" (the forward's Q, and "+rqdo" the dQ kernel's Q and dO, held in
 registers as matmul operands) and "+rk" (K alone). The base "default" runs each kernel that config chooses (no override).
 --check-extras applies such extras (e.g. "nofold+norkv") to the float64 check. Round 17's logs
 also name variants since removed: "carry" (dK/dV left in flight into the next step) and "fwdskew" (the forward's
@@ -176,8 +177,13 @@ def timing(shapes, variants):
             gluon, hk.STAGES, order = VARIANTS[base]
             apply_round28_extras(extras)
             fold = {"fold": True, "nofold": False}
-            kc._OVERRIDE = {key: value for key, value in kc._OVERRIDE.items() if key != "fold_scale"}
+            kc._OVERRIDE = {key: value for key, value in kc._OVERRIDE.items()
+                            if key not in ("fold_scale", "concurrent_dq", "gluon_dq")}
             kc._OVERRIDE.update({"fold_scale": fold[e] for e in extras if e in fold})
+            if "serial" in extras:  # dQ after dK/dV, so each kernel's time is its own
+                kc._OVERRIDE["concurrent_dq"] = False
+            if "gdq" in extras:  # the Gluon dQ under the "default" base
+                kc._OVERRIDE["gluon_dq"] = True
             hk.BLOCK_M[64] = 128 if "m128" in extras else 64  # +m128: 128-query steps in the d64 Gluon dK/dV
             groups = [int(e[1:]) for e in extras if e[:1] == "g" and e[1:].isdigit()]
             kc.HEAD_GROUP_OVERRIDE = groups[0] if groups else order
