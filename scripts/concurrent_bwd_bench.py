@@ -1,6 +1,6 @@
 """GPU time of one backward (attn_bwd_impl: preprocess, dK/dV, dQ) with dK/dV and dQ in turn on one stream or side by
 side on two (KernelConfigs.concurrent_dq), with the Gluon dQ's grid persistent or per block, and with the Gluon dQ
-where config keeps the Triton one. GPU only.
+or dK/dV where config keeps the Triton one. GPU only.
 
 The backwards are queued behind a GPU sleep long enough for the host to queue them all, so CUDA events around
 them time the GPU alone: at the 1B recipe's shape a backward costs the host more than the GPU (NOTES.md v21), and
@@ -28,20 +28,22 @@ SHAPES = {  # name: (batch, seqlen, heads, kv heads, head dim, causal[, dropout 
     "f4k": (4, 4096, 16, 16, 128, False),
     "d64c1k": (16, 1024, 32, 8, 64, True),
     "d64c2k": (8, 2048, 12, 4, 64, True),  # configs/llama_125m.yaml's attention
+    "d64g4k": (4, 4096, 32, 8, 64, True),
     "d64c4k": (4, 4096, 32, 32, 64, True),
     "drop2k": (4, 2048, 16, 4, 128, True, 0.1),  # configs/dropout.yaml's attention (GQA: the separate dQ pass)
     "dropc2k": (8, 2048, 16, 16, 128, True, 0.1),  # no GQA: atomic dQ inside dK/dV, so nothing to overlap
     "varlen": (0, 4096, 16, 16, 128, True),  # bench_attention.py's mix: 73 documents of 64..4096, 64k tokens
 }
-VARIANTS = {  # name: (concurrent_dq, hopper_dq.PERSISTENT, gluon_dq: None = config's choice)
-    "serial": (False, None, None),
-    "concurrent": (True, None, None),
-    "concurrent+perblock_dq": (True, False, None),
-    "concurrent+gluon_dq": (True, None, True),  # the Gluon dQ where config keeps the Triton one (d64)
+VARIANTS = {  # name: (concurrent_dq, hopper_dq.PERSISTENT, other KernelConfigs fields)
+    "serial": (False, None, {}),
+    "concurrent": (True, None, {}),
+    "concurrent+perblock_dq": (True, False, {}),
+    "concurrent+gluon_dq": (True, None, {"gluon_dq": True}),  # the Gluon dQ where config keeps the Triton one (d64)
+    "concurrent+gluon_dkdv": (True, None, {"gluon_dkdv": True}),  # the Gluon dK/dV where config keeps the Triton one
 }
 
 
-def backward_ms(shape, concurrent, persistent, gluon_dq=None, iters=20):
+def backward_ms(shape, concurrent, persistent, fields, iters=20):
     b, n, h, hk, d, causal, *dropout = SHAPES[shape]
     p = dropout[0] if dropout else 0.0
     torch.manual_seed(0)
@@ -59,7 +61,7 @@ def backward_ms(shape, concurrent, persistent, gluon_dq=None, iters=20):
     out, lse = ops.attn_fwd(q, k, v, cu, cu, n, n, seed_offset, p, scale, -1, window_right, 0.0)
     hopper_dq.PERSISTENT = persistent
     try:
-        with kc.override(concurrent_dq=concurrent, **({} if gluon_dq is None else {"gluon_dq": gluon_dq})):
+        with kc.override(concurrent_dq=concurrent, **fields):
             def step():
                 return ops.attn_bwd_impl(dout, q, k, v, out, lse, cu, cu, n, n, seed_offset, p, scale, -1,
                                          window_right, 0.0, False)

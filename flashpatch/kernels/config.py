@@ -133,7 +133,11 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
             # 0.72-0.73 / 1.36-1.37), so it takes causal rows too, but not short ones (n1024 GQA 0.30 -> 0.32 against
             # the Triton forward's 0.26).
             gluon_fwd=not (masked and short),
-            gluon_dkdv=masked and not short,
+            # Round 28 (NOTES.md v39, H200, dK/dV alone, Gluon -> Triton): with GQA the Triton dK/dV wins on causal
+            # rows past SHORT too (the 121M recipe's 8 x n2048, 12/4 heads, 0.286 -> 0.265 ms; 32/8 heads n4096
+            # 1.35 -> 1.26), while without GQA the Gluon one keeps its lead (12/12 heads n2048 0.321 -> 0.312 the
+            # other way, 32/32 n4096 1.54 -> 1.46).
+            gluon_dkdv=masked and not short and not grouped,
         )
     elif block_d <= 128 and masked:
         # Round 3, n8192 backward: causal 288 TFLOP/s (was 257). Round 10: dQ through TMA, 295 / 321 -> 299 / 324
