@@ -101,7 +101,8 @@ def main():
                             options={"num_warps": 4, "maxnreg": maxnreg})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / (f"{args.kernel}_gluon_d{d}{'_causal' if args.causal else ''}{f'_c{args.consumers}' if args.consumers else ''}{'_dropout' if args.dropout else ''}"
+    stem = out / (f"{args.kernel}_gluon_d{d}{'_causal' if args.causal else ''}"
+                  f"{f'_c{args.consumers}' if args.consumers else ''}{'_dropout' if args.dropout else ''}"
                   f"{'_alibi' if args.alibi else ''}{'_persistent' if args.persistent else ''}"
                   + "".join(f"_{item.split('=')[0].lower()}" for item in args.set if item.endswith("=1")))
     ptx = kernel.asm["ptx"]

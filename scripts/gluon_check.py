@@ -12,9 +12,10 @@ group; a persistent grid orders causal blocks its own way), and round 28's regis
 "+fold" / "+nofold" (config.KernelConfigs.fold_scale), "+rkv" / "+norkv" (hopper_dkdv.REGISTER_KV forced on or
 off), "+c3" / "+c2" (the d64 Gluon forward with three or two consumer warpgroups,
 hopper_fwd.CONSUMERS_BY_HEADDIM), "+serial" (dQ after dK/dV, not beside it: each kernel's own time) and "+gdq" (the
-Gluon dQ under the "default" base). Its measured losers, removed since: "+rq" (the forward's Q, and "+rqdo" the dQ kernel's Q and dO, held in
-registers as matmul operands) and "+rk" (K alone). The base "default" runs each kernel that config chooses (no override).
---check-extras applies such extras (e.g. "nofold+norkv") to the float64 check. Round 17's logs
+Gluon dQ under the "default" base). Its measured losers, removed since: "+rq" (the forward's Q, and "+rqdo" the dQ
+kernel's Q and dO, held in registers as matmul operands), "+rk" (K alone), "+c3dk" and "+c3dq" (three consumer
+warpgroups in the d64 dK/dV and dQ: NOTES.md v37, v38). The base "default" runs each kernel that config chooses
+(no override). --check-extras applies such extras (e.g. "nofold+norkv") to the float64 check. Round 17's logs
 also name variants since removed: "carry" (dK/dV left in flight into the next step) and "fwdskew" (the forward's
 intra-warpgroup skew), NOTES.md v19.
 """

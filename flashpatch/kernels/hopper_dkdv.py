@@ -211,8 +211,8 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
 
 
 def register_kv(headdim: int) -> bool:
-    """Whether `_consumer` holds its K and V rows in registers, so that the K Qᵀ and V dOᵀ matmuls read only Qᵀ and
-    dOᵀ from shared memory (from shared memory, an m64n64 wgmma needs both operands' 4 KB per 32 cycles, the
+    """Whether `_consumer` holds its K and V rows in registers, so that the K Qᵀ and V dOᵀ matmuls read only Qᵀ
+    and dOᵀ from shared memory (from shared memory, an m64n64 wgmma needs both operands' 4 KB per 32 cycles, the
     shared memory's whole 128 B per cycle). At head dim 64 that is 32 registers a thread (round 28, H200, GPU kernel
     time: d64 causal n4096 dK/dV 1.487 -> 1.442 ms); at head dim 128, 64 registers, and the kernel spills (404-688 B
     a thread where it spilled 72)."""

@@ -1,9 +1,9 @@
 """Forward attention for Hopper (sm_90) in Gluon, warp-specialized like hopper_dkdv.py: one producer warp and two
 consumer warpgroups per program (three at head dim 64: CONSUMERS_BY_HEADDIM), synchronised by mbarriers.
 
-  producer (1 warp):     Q of the program's 128 (192) queries once; then, per step, TMA loads of a (BLOCK_N, D) tile of K
-                         and one of V into a ring of STAGES buffers, each with its own `ready` mbarrier, so Q Kᵀ
-                         can start before V has landed.
+  producer (1 warp):     Q of the program's 128 (192) queries once; then, per step, TMA loads of a (BLOCK_N, D)
+                         tile of K and one of V into a ring of STAGES buffers, each with its own `ready` mbarrier,
+                         so Q Kᵀ can start before V has landed.
   consumer w (4 warps):  queries [m0 + 64 w, m0 + 64 w + 64): per step S = Q Kᵀ, the online softmax in exp2
                          (running max m, running sum l), O = O · exp2(m_old - m) + P V; the stage is released
                          (`empty`, one arrival per consumer) once P V is done.
@@ -453,8 +453,9 @@ if AVAILABLE:
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool, max_seqlen_q: int,
               max_seqlen_k: int, window_left: int, window_right: int, softcap: float, dropout_p: float) -> bool:
-    """Whether this kernel covers the call (hopper_common.sm90_dense_ok, and lengths that divide the tiles: the 2-D
-    TMA views run on into the next head's rows, so a partial tile is not allowed)."""
+    """Whether this kernel covers the call (hopper_common.sm90_dense_ok, and lengths that divide 128: the 2-D TMA
+    views run on into the next head's rows, which only the three-consumer form's 192-query blocks, whose stores are
+    masked, may read)."""
     return (sm90_dense_ok(q, k, v, varlen=varlen, window_left=window_left, window_right=window_right,
                           softcap=softcap, dropout_p=dropout_p)
             and max_seqlen_q % BLOCK_M == 0 and max_seqlen_k % BLOCK_N == 0)
