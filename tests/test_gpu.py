@@ -37,6 +37,10 @@ GRID = [
     # round 23 tiles on ragged rows: GQA d128 dK/dV on 32 x 64 (w4), d64 dQ on 64 x 64
     (2, 1000, 1000, 8, 2, 128, {"causal": True}),
     (2, 1000, 1000, 8, 2, 64, {"causal": True}),
+    # round 28 (v36, v39): d64 rows past 1024 queries, GQA and not: the three-warpgroup Gluon forward over blocks of
+    # 192 (the last one past the rows), dK/dV by the Triton kernel with GQA and by the Gluon one without
+    (2, 2048, 2048, 6, 2, 64, {"causal": True}),
+    (1, 2048, 2048, 4, 4, 64, {"causal": True}),
 ]
 
 
