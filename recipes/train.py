@@ -387,7 +387,8 @@ def main(argv: list[str] | None = None) -> dict:
         # Last on stdout, so `... | tail` shows it.
         print(
             f"\n## {cfg.name}: {cfg.data_mode}, seq {cfg.seq_len}, batch {cfg.batch_size} x "
-            f"{accelerator.num_processes}, {out['environment']['device_name']}, {accelerator.mixed_precision}"
+            f"{accelerator.num_processes}, {out['environment']['device_name']}, "
+            f"{'fp32' if accelerator.mixed_precision == 'no' else accelerator.mixed_precision}"
             f"{f', torch.compile {cfg.compile}' if cfg.compile else ''}\n"
         )
         print(report.markdown_table(out), flush=True)
