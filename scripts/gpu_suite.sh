@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session in one call: GPU tests, kernel tuning, benchmarks, recipes. A short summary prints last.
-#   bash scripts/gpu_suite.sh [tests] [tune] [tune_fwd] [tune_dropout] [bench] [parity] [parity_dropout] [<config name>] ...
+#   bash scripts/gpu_suite.sh [tests | tests1 tests2] [tune] [tune_fwd] [tune_dropout] [bench] [parity] [parity_dropout]
+#       [<config name>] ...   (tests1, tests2: each half of the GPU tests, for two device calls)
 #   PARITY_SEEDS="0 1 2" repeats parity_dropout per seed.
 # Logs and reports go to $WORK; after every step they are packed into $OUT/suite.tgz (the device tool returns at
 # most 8 files, and a run cut off by its time limit still returns what was packed). On the device machine, carry
@@ -35,6 +36,12 @@ for step in $steps; do
     tests)
       python3 -m pytest -m gpu tests -q -rs -rP -p no:cacheprovider --durations=15 2>&1 | tee "$WORK/pytest_gpu.log"
       summary+=("tests: $(tail -n 1 "$WORK/pytest_gpu.log")") ;;
+    tests1|tests2)  # one half of the GPU tests in collection order: the whole set runs past one device call's 10 min
+      mapfile -t ids < <(python3 -m pytest -m gpu tests --co -q -p no:cacheprovider 2>/dev/null | grep "::")
+      half=$(( (${#ids[@]} + 1) / 2 ))
+      if [ "$step" = tests1 ]; then part=("${ids[@]:0:$half}"); else part=("${ids[@]:$half}"); fi
+      python3 -m pytest -q -rs -p no:cacheprovider --durations=10 "${part[@]}" 2>&1 | tee "$WORK/pytest_gpu_$step.log"
+      summary+=("$step (${#part[@]} of ${#ids[@]}): $(tail -n 1 "$WORK/pytest_gpu_$step.log")") ;;
     tune)
       python3 scripts/tune_kernels.py --out "$WORK" 2>&1 | tee "$WORK/tune.log"
       summary+=("tune: tune.log") ;;
