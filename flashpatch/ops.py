@@ -300,7 +300,7 @@ def attn_fwd_impl(
         HEAD_GROUP=_head_group(cfg, varlen, window_left, window_right, max_seqlen_q, q.device),
         EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, cfg.block_n),
         EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim),
-        FOLD=cfgs.fold_scale and softcap == 0 and alibi_slopes is None,
+        FOLD=cfgs.fold_scale,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse

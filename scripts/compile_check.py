@@ -71,6 +71,8 @@ def launch_constexprs(fn, cfg, even, even_interior=True):
               "EVEN": even, "EVEN_INTERIOR": even_interior}
     if fn is attn_bwd_dkdv_kernel:
         launch["DP_FIRST"] = cfg.dp_first
+    if fn is attn_fwd_kernel:
+        launch["FOLD"] = kernel_config.KernelConfigs.fold_scale  # the default ops.attn_fwd_impl passes
     return launch
 
 

@@ -88,10 +88,17 @@ def grads(q, k, v, dout, causal, gluon, gluon_fwd=False, gluon_dq=False, dropout
         return torch.autograd.grad(out, (q, k, v), dout)
 
 
-def apply_round28_extras(extras):
-    """Round 28's kernel flags from a variant's extras (module docstring)."""
+def apply_round28_extras(extras) -> dict:
+    """Round 28's kernel flags from a variant's extras (module docstring): sets the module-level ones and returns the
+    KernelConfigs fields for kc.override."""
     hk.REGISTER_KV = True if "rkv" in extras else False if "norkv" in extras else None
     hf.CONSUMERS_BY_HEADDIM[64] = 3 if "c3" in extras else 2 if "c2" in extras else CONSUMERS_D64
+    fields = {"fold_scale": e == "fold" for e in extras if e in ("fold", "nofold")}
+    if "serial" in extras:  # dQ after dK/dV, so each kernel's time is its own
+        fields["concurrent_dq"] = False
+    if "gdq" in extras:  # the Gluon dQ under the "default" base
+        fields["gluon_dq"] = True
+    return fields
 
 
 def reference_grads(q, k, v, dout, causal, upcast):
@@ -179,15 +186,7 @@ def timing(shapes, variants):
             hq.BLOCK_N = 128 if "dq128" in extras else 64
             hq.PERSISTENT = True if "pdq" in extras else False if "npdq" in extras else None
             gluon, hk.STAGES, order = VARIANTS[base]
-            apply_round28_extras(extras)
-            fold = {"fold": True, "nofold": False}
-            kc._OVERRIDE = {key: value for key, value in kc._OVERRIDE.items()
-                            if key not in ("fold_scale", "concurrent_dq", "gluon_dq")}
-            kc._OVERRIDE.update({"fold_scale": fold[e] for e in extras if e in fold})
-            if "serial" in extras:  # dQ after dK/dV, so each kernel's time is its own
-                kc._OVERRIDE["concurrent_dq"] = False
-            if "gdq" in extras:  # the Gluon dQ under the "default" base
-                kc._OVERRIDE["gluon_dq"] = True
+            fields = apply_round28_extras(extras)
             hk.BLOCK_M[64] = 128 if "m128" in extras else 64  # +m128: 128-query steps in the d64 Gluon dK/dV
             groups = [int(e[1:]) for e in extras if e[:1] == "g" and e[1:].isdigit()]
             kc.HEAD_GROUP_OVERRIDE = groups[0] if groups else order
@@ -195,7 +194,8 @@ def timing(shapes, variants):
             def step():
                 grads(q, k, v, dout, causal, gluon, gluon_fwd, gluon_dq, *dropout)
             try:
-                times = dict(kernel_times(step, iters=20))
+                with kc.override(**fields):
+                    times = dict(kernel_times(step, iters=20))
             except Exception as err:  # noqa: BLE001 - a variant that does not build is a result
                 print(f"| {shape} | {name} | failed: {type(err).__name__}: {str(err)[:200]} | | |", flush=True)
                 continue
@@ -218,11 +218,8 @@ def main():
     args = parser.parse_args()
     if not args.skip_check:
         kc.HEAD_GROUP_OVERRIDE = args.check_head_group
-        apply_round28_extras(args.check_extras.split("+"))
-        fold = {"fold": True, "nofold": False}
-        kc._OVERRIDE = {"fold_scale": fold[e] for e in args.check_extras.split("+") if e in fold}
-        check()
-        kc._OVERRIDE = {}
+        with kc.override(**apply_round28_extras(args.check_extras.split("+"))):
+            check()
     timing(args.shapes.split(","), args.variants.split(","))
 
 

@@ -49,7 +49,7 @@ class KernelConfigs:
     concurrent_dq: bool = True
     # The forwards' softmax with the scale folded into the exponent: the row max over the raw scores, then
     # exp2(qk * scale - max) as one fused multiply-add per score instead of a multiply and a subtraction
-    # (forward.py, hopper_fwd.py; not with softcap or ALiBi, which need the scaled scores).
+    # (forward.py, hopper_fwd.py; the kernels ignore it with softcap or ALiBi, which need the scaled scores).
     fold_scale: bool = True
 
 

@@ -33,14 +33,9 @@ def _fwd_inner(
             kv_mask = (offs_n[None, :] < seqlen_k) & (offs_d[:, None] < HEADDIM)
             k_t = load_tile(k_ptrs + (start + zero64) * stride_ks, kv_mask, 0.0, EVEN)  # (D, BN)
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)  # (BM, BN), fp32
-        if FOLD:  # no softcap or ALiBi: the max over the raw scores, the scale inside exp2's argument (one FMA)
-            if MASKED:
-                ok = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right,
-                             HAS_LEFT, HAS_RIGHT)
-                qk = tl.where(ok, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # qk_scale >= 0 (validation): the same max
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(qk * qk_scale - m_safe[:, None])
+        if FOLD and not SOFTCAP and not ALIBI:  # the max over the raw scores, the scale inside exp2's argument
+            s = qk
+            scale = qk_scale
         else:
             if SOFTCAP:
                 s = cap_log2 * tanh(qk * qk_scale)  # log2 units
@@ -48,13 +43,14 @@ def _fwd_inner(
                 s = qk * qk_scale
             if ALIBI:
                 s += alibi_bias(alibi_log2, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k)
-            if MASKED:
-                ok = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right,
-                             HAS_LEFT, HAS_RIGHT)
-                s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
-            p = tl.exp2(s - m_safe[:, None])
+            scale = 1.0
+        if MASKED:
+            ok = visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right,
+                         HAS_LEFT, HAS_RIGHT)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale)  # with FOLD: qk_scale >= 0 (validation) keeps the max
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
+        p = tl.exp2(s * scale - m_safe[:, None])  # with FOLD: one fused multiply-add per score
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)  # normalizer of the undropped softmax
         if DROPOUT:

@@ -171,29 +171,25 @@ if AVAILABLE:
         """Scores of key block i into (P, new running max, new running sum, rescale factor of the old sums); the
         running max is in log2 units.
 
-        FOLD (not with ALiBi, whose bias must be added to the scaled scores): the row max is taken over the raw
+        FOLD (ignored with ALiBi, whose bias is added to the scaled scores): the row max is taken over the raw
         scores and scaled once per row, and the scale goes into the exponent's subtraction as one fused
         multiply-add per score, instead of a multiply per score and then a subtraction (qk_scale >= 0, which
         validation ensures, keeps the max where it was)."""
-        if FOLD:
-            if MASKED:  # bottom-right aligned: key n is visible from query m when n <= m + Sk - Sq
-                visible = (i * BLOCK_N + offs_n)[None, :] <= offs_m[:, None] + shift
-                qk = gl.where(visible, qk, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet stays at 0
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(qk * qk_scale - m_safe[:, None])
-            return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
-        scores = qk * qk_scale  # log2 units
-        if ALIBI:
-            scores += alibi_bias(alibi_log2, offs_m[:, None] + shift, (i * BLOCK_N + offs_n)[None, :])
+        if FOLD and not ALIBI:
+            scores = qk  # raw; scaled inside the max and the exponent below
+            scale = qk_scale
+        else:
+            scores = qk * qk_scale  # log2 units
+            if ALIBI:
+                scores += alibi_bias(alibi_log2, offs_m[:, None] + shift, (i * BLOCK_N + offs_n)[None, :])
+            scale = 1.0
         if MASKED:  # bottom-right aligned: key n is visible from query m when n <= m + Sk - Sq
             visible = (i * BLOCK_N + offs_n)[None, :] <= offs_m[:, None] + shift
             scores = gl.where(visible, scores, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(scores, axis=1))
+        m_new = gl.maximum(m_i, gl.max(scores, axis=1) * scale)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet stays at 0
         alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(scores - m_safe[:, None])
+        p = gl.exp2(scores * scale - m_safe[:, None])
         return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
     @gluon.jit
@@ -464,7 +460,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool
 def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None, fold: bool = False) -> None:
     """out (B, Sq, H, D) and lse (B, H, Sq, float32, natural log) for a call `supported` accepted; q: (B, Sq, H, D),
     k, v: (B, Sk, Hk, D); qk_scale = softmax_scale * log2(e); alibi_slopes: None or float32 (H,) / (B, H); fold:
-    config.KernelConfigs.fold_scale (`_softmax_update`)."""
+    config.KernelConfigs.fold_scale (`_softmax_update`, which ignores it with ALiBi)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     persistent = (persistent_grid("fwd", triton.cdiv(seqlen_q, BLOCK_M), headdim) if PERSISTENT is None
@@ -490,6 +486,6 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
         num_tiles, nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale,
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HEAD_GROUP=order, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
-        FOLD=fold and alibi_slopes is None, CONSUMERS=consumers,
+        FOLD=fold, CONSUMERS=consumers,
         num_warps=4, maxnreg=MAXNREG if consumers == 2 else MAXNREG_3,
     )
