@@ -27,6 +27,7 @@ SHAPES = {  # name: (batch, seqlen, heads, kv heads, head dim, causal[, dropout 
     "c4k": (4, 4096, 16, 16, 128, True),
     "f4k": (4, 4096, 16, 16, 128, False),
     "d64c1k": (16, 1024, 32, 8, 64, True),
+    "d64f1k": (16, 1024, 32, 8, 64, False),
     "d64c2k": (8, 2048, 12, 4, 64, True),  # configs/llama_125m.yaml's attention
     "d64g4k": (4, 4096, 32, 8, 64, True),
     "d64c4k": (4, 4096, 32, 32, 64, True),

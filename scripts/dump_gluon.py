@@ -50,7 +50,9 @@ def main():
     if args.kernel == "dkdv":
         fn, maxnreg = hk.attn_bwd_dkdv_hopper_kernel, hk.MAXNREG
         bm = args.block_m or hk.BLOCK_M[d]
-        descs = {"q_desc": desc(bm), "do_desc": desc(bm), "k_desc": desc(hk.BLOCK_N), "v_desc": desc(hk.BLOCK_N)}
+        vec = f"tensordesc<fp32[{bm}],{gl.NVMMASharedLayout.get_default_for([bm], gl.float32)!r}>"
+        descs = {"q_desc": desc(bm), "do_desc": desc(bm), "k_desc": desc(hk.BLOCK_N), "v_desc": desc(hk.BLOCK_N),
+                 "lse_desc": vec, "delta_desc": vec}
         consts = dict(CAUSAL=args.causal, HEADDIM=d, BLOCK_M=bm, HALF_N=hk.HALF_N, STAGES=args.stages or hk.STAGES,
                       HEAD_GROUP=args.head_group)
     elif args.kernel == "dq":
@@ -72,6 +74,7 @@ def main():
     flags = dict(item.split("=") for item in args.set)
     consts.update({name: bool(int(flags.pop(name, 0))) for name in fn.arg_names
                    if name.startswith(("REG_", "FOLD"))})
+    consts.update({name: int(flags.pop(name)) for name in list(flags) if name in fn.arg_names})  # integer ones
     if flags:
         raise ValueError(f"--set names no constexpr of this kernel: {sorted(flags)}")
     if not args.alibi:

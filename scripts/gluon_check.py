@@ -65,6 +65,7 @@ SHAPES = {
     "d64f4k": (4, 4096, 4096, 32, 32, 64, False),
     "d64f8k": (2, 8192, 8192, 32, 32, 64, False),
     "d64c1k": (16, 1024, 1024, 32, 8, 64, True),  # short GQA rows
+    "d64f1k": (16, 1024, 1024, 32, 8, 64, False),  # the same without the causal mask
     "d64c2k": (8, 2048, 2048, 12, 4, 64, True),  # configs/llama_125m.yaml's attention
     "d64c2kmha": (8, 2048, 2048, 12, 12, 64, True),  # the same without GQA
     "d64g4k": (4, 4096, 4096, 32, 8, 64, True),  # GQA 32/8 at n4096

@@ -240,14 +240,13 @@ def test_gluon_kernels_chosen_where_they_measured_faster():
         assert on.gluon_fwd and on.gluon_dkdv and on.gluon_dq
         off = kernel_config.configs_for(128, False, masked=masked)
         assert not (off.gluon_fwd or off.gluon_dkdv or off.gluon_dq)
-    # head dim 64 (rounds 18 and 28): the forward but on short causal rows, dK/dV on causal rows past SHORT without
-    # GQA, never the dQ pass
-    for masked, short, expected in ((False, False, (True, False)), (False, True, (True, False)),
+    # head dim 64 (rounds 18, 28 and 29): the forward and dK/dV past SHORT, and dK/dV on short unmasked rows, with or
+    # without GQA; never the dQ pass
+    for masked, short, expected in ((False, False, (True, True)), (False, True, (False, True)),
                                     (True, False, (True, True)), (True, True, (False, False))):
-        cfg = kernel_config.configs_for(64, True, masked=masked, aligned=True, short=short)
-        assert (cfg.gluon_fwd, cfg.gluon_dkdv) == expected and not cfg.gluon_dq, (masked, short)
-        grouped = kernel_config.configs_for(64, True, masked=masked, aligned=True, short=short, grouped=True)
-        assert (grouped.gluon_fwd, grouped.gluon_dkdv) == (expected[0], False), (masked, short)
+        for grouped in (False, True):
+            cfg = kernel_config.configs_for(64, True, masked=masked, aligned=True, short=short, grouped=grouped)
+            assert (cfg.gluon_fwd, cfg.gluon_dkdv) == expected and not cfg.gluon_dq, (masked, short, grouped)
 
 
 def test_causal_grids_end_on_many_heads_light_blocks(monkeypatch):

@@ -37,8 +37,9 @@ class KernelConfigs:
     even_tiles: bool = True
     # The warp-specialized Gluon dK/dV kernel (kernels/hopper_dkdv.py) wherever it applies (its `supported`: sm_90,
     # dense rows dividing its tiles, causal or unmasked, no dropout or softcap); the Triton kernel elsewhere.
-    # Round 17 (NOTES.md v19): d128 dK/dV 13-21% faster; at d64 it wins on long causal rows only (n8192 -6%, but
-    # unmasked n4096 +9% and causal GQA n1024 +18%), so off there.
+    # Round 17 (NOTES.md v19): d128 dK/dV 13-21% faster; at d64 it won on long causal rows only until round 29 (v40:
+    # LSE and delta through its TMA ring, the causal mask skipped off the diagonal), and now everywhere but on short
+    # causal rows.
     gluon_dkdv: bool = False
     gluon_fwd: bool = False  # the same for the forward (kernels/hopper_fwd.py): d128 forward 15-17% faster (v19)
     gluon_dq: bool = False  # and for the separate dQ pass (kernels/hopper_dq.py): d128 dQ 10-18% faster (v19)
@@ -124,20 +125,23 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
             atomic_dq=False,
             # Round 18 (round18_gluon_d64.log, GPU kernel time, Triton -> Gluon): the Gluon forward wins without a
             # mask (n4096 / n8192 1.40 / 2.88 -> 1.31 / 2.54-2.63 ms) but not with one (causal n4096 0.728 ->
-            # 0.739, n1024 GQA 0.26 -> 0.30); Gluon dK/dV wins on causal rows past SHORT (n4096 / n8192 1.53 / 3.03
-            # -> 1.47 / 2.79) and loses without a mask (2.39 -> 2.63) and on short GQA rows (0.40 -> 0.47); the
-            # Gluon dQ loses everywhere (n8192 causal 1.33 -> 1.41-1.46). Only where they apply (head dim 64).
+            # 0.739, n1024 GQA 0.26 -> 0.30); the Gluon dQ loses everywhere (n8192 causal 1.33 -> 1.41-1.46). Only
+            # where they apply (head dim 64).
             # Round 28 (NOTES.md v36, H200): the Gluon forward with three consumer warpgroups (192-query programs,
             # hopper_fwd.CONSUMERS_BY_HEADDIM) against two, full n4096 / n8192 1.29-1.30 / 2.50-2.51 -> 1.14-1.15 /
             # 2.14-2.18 ms, causal n4096 / n8192 0.73-0.74 / 1.35-1.36 -> 0.68-0.69 / 1.17-1.18 (the Triton forward:
             # 0.72-0.73 / 1.36-1.37), so it takes causal rows too, but not short ones (n1024 GQA 0.30 -> 0.32 against
-            # the Triton forward's 0.26).
-            gluon_fwd=not (masked and short),
-            # Round 28 (NOTES.md v39, H200, dK/dV alone, Gluon -> Triton): with GQA the Triton dK/dV wins on causal
-            # rows past SHORT too (the 121M recipe's 8 x n2048, 12/4 heads, 0.286 -> 0.265 ms; 32/8 heads n4096
-            # 1.35 -> 1.26), while without GQA the Gluon one keeps its lead (12/12 heads n2048 0.321 -> 0.312 the
-            # other way, 32/32 n4096 1.54 -> 1.46).
-            gluon_dkdv=masked and not short and not grouped,
+            # the Triton forward's 0.26), and round 29 (v40, H100) found the same without the mask (16 x n1024, 32/8
+            # heads: 0.381-0.392 ms against the Triton forward's 0.358-0.360).
+            gluon_fwd=not short,
+            # Round 29 (NOTES.md v40, H100, scripts/concurrent_bwd_bench.py, backward GPU time with dQ beside dK/dV,
+            # Triton -> Gluon dK/dV): since LSE and delta come through the Gluon kernel's TMA ring and the causal mask
+            # is skipped off the diagonal, it wins with GQA (the 121M recipe's 8 x n2048, 12/4 heads, 0.434-0.436 ->
+            # 0.405 ms; 32/8 heads n4096 1.96-1.99 -> 1.80-1.82) and without a mask (16 x n1024, 32/8 heads,
+            # 1.126-1.129 -> 0.944-0.949), but on short causal rows the Triton one keeps a small lead (16 x n1024,
+            # 32/8: 0.720-0.724 against 0.738-0.745). Rounds 18 and 28 had kept the Triton dK/dV everywhere but on
+            # long causal rows without GQA.
+            gluon_dkdv=not (masked and short),
         )
     elif block_d <= 128 and masked:
         # Round 3, n8192 backward: causal 288 TFLOP/s (was 257). Round 10: dQ through TMA, 295 / 321 -> 299 / 324

@@ -81,6 +81,20 @@ def descriptor(t: torch.Tensor, block_rows: int):
     return TensorDescriptor(t, shape, strides, [block_rows, t.shape[-1]], layout), rows, cols
 
 
+def vector_descriptor(t: torch.Tensor, block: int):
+    """TensorDescriptor of `block`-element runs of an fp32 tensor's storage, seen as one vector from its first element
+    (last dimension contiguous): the run of (b, h, m..) in a (B, H, S) tensor starts at b * stride(0) + h * stride(1)
+    + m. For the LSE and delta rows of a step."""
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    layout = _vector_layout(block)
+    return TensorDescriptor(t.as_strided((extent,), (1,)), [extent], [1], [block], layout)
+
+
+@functools.lru_cache(maxsize=None)
+def _vector_layout(block: int):
+    return gl.NVMMASharedLayout.get_default_for([block], gl.float32)
+
+
 @functools.lru_cache(maxsize=None)
 def _shared_layout(block_rows: int, headdim: int, fp16: bool):
     """The tile's shared-memory layout, built once per tile shape (descriptors are built at every launch)."""

@@ -6,11 +6,16 @@ refilled), which keep its two warpgroups in lockstep, so neither fills the other
 (NOTES v18: 45% of its issue gaps are barrier waits). Triton 3.6 does not warp-specialize that loop. Here:
 
   producer (1 warp):     K, V of the program's 128 keys once; then, per step, TMA loads of the (64, D) tiles of Q
-                         and dO into a ring of STAGES buffers, each signalled by its `ready` mbarrier.
+                         and dO and of the step's 64 LSE and delta values into a ring of STAGES buffers, each
+                         signalled by its `ready` mbarrier.
   consumer w (4 warps):  keys [n0 + 64 w, n0 + 64 w + 64): per step, Sᵀ = K Qᵀ and dPᵀ = V dOᵀ issued together,
                          P from Sᵀ while dPᵀ runs, dV += Pᵀ dO issued, dS from dPᵀ while dV runs, dK += dSᵀ Q;
                          dV and dK are waited for at the end of the step, and the stage is released (`empty`,
                          one arrival per consumer) once the next step's Sᵀ is done.
+
+LSE and delta come through the ring rather than by loads of the consumers: loaded at the top of a step, they were
+needed before the step's first matmul could be issued, and every step waited for them (Nsight Compute, d64 causal
+n8192: 9% of all stall samples at the multiply that scales the LSE, NOTES.md v40).
 
 The two consumers never wait for each other, only for the producer, so one's softmax runs under the other's matmuls
 (the Triton kernel's CTA barriers forbid that). dK and dV are waited for at the end of each step: leaving them in
@@ -30,7 +35,8 @@ import triton
 
 from flashpatch.kernels.common import head_and_block
 from flashpatch.kernels.config import head_group
-from flashpatch.kernels.hopper_common import AVAILABLE, alibi_batch_stride, descriptor, sm90_dense_ok, tma_load
+from flashpatch.kernels.hopper_common import (
+    AVAILABLE, alibi_batch_stride, descriptor, sm90_dense_ok, tma_load, vector_descriptor)
 
 if AVAILABLE:
     from triton.experimental import gluon
@@ -54,34 +60,51 @@ if AVAILABLE:
     LOG2E = gl.constexpr(1.4426950408889634)
 
     @gluon.jit
-    def _step_position(i, m_lo, n_mblocks, BLOCK_M: gl.constexpr):
-        """Step i of a program: (head in the GQA group, first query row)."""
-        g = i // n_mblocks
-        return g, m_lo + (i - g * n_mblocks) * BLOCK_M
+    def _next_step(g, m0, m_lo, m_end, BLOCK_M: gl.constexpr):
+        """The (head in the GQA group, first query row) after step (g, m0): the next query block of the head, or
+        the next head's first (m_lo). Carried through the loop instead of derived from the step count, whose
+        integer division each step cost ~3% of the samples (NOTES.md v40)."""
+        m0 += BLOCK_M
+        wrap = m0 >= m_end
+        return gl.where(wrap, g + 1, g), gl.where(wrap, m_lo, m0)
 
     @gluon.jit
-    def _producer(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
+    def _causal_mask(p_t, offs_n, offs_m, last_key_of_first_query):
+        """Pᵀ with the scores of keys after each query's last visible one zeroed (bottom-right aligned: key n is
+        visible from query m0 + j when n <= m0 + j + Sk - Sq)."""
+        return gl.where(offs_n[:, None] <= last_key_of_first_query + offs_m[None, :], p_t, 0.0)
+
+    @gluon.jit
+    def _producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs,
+                  k_smem, v_smem, ready, empty, kv_bar,
                   q_row, q_row_per_head, q_col, q_col_per_head, do_row, do_row_per_head, do_col, do_col_per_head,
-                  k_row, k_col, v_row, v_col, m_lo, n_mblocks, total,
+                  k_row, k_col, v_row, v_col, lse_base, lse_per_head, m_lo, m_end, total,
                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma_load(k_desc, [k_row, k_col], kv_bar, k_smem)
         tma_load(v_desc, [v_row, v_col], kv_bar, v_smem)
+        step_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                    + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        g = 0
+        m0 = m_lo
         for i in range(total):
             s = i % STAGES
-            g, m0 = _step_position(i, m_lo, n_mblocks, BLOCK_M)
             # a fresh mbarrier counts as having completed the phase before 0, so the first lap does not wait
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             bar = ready.index(s)
-            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            mbarrier.expect(bar, step_bytes)
             tma_load(q_desc, [q_row + g * q_row_per_head + m0, q_col + g * q_col_per_head], bar, q_bufs.index(s))
             tma_load(do_desc, [do_row + g * do_row_per_head + m0, do_col + g * do_col_per_head], bar,
                      do_bufs.index(s))
+            rows = lse_base + g * lse_per_head + m0
+            tma_load(lse_desc, [rows], bar, lse_bufs.index(s))
+            tma_load(delta_desc, [rows], bar, delta_bufs.index(s))
+            g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
 
     @gluon.jit
-    def _consumer(q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
-                  LSE, DELTA, DK, DV, ALIBI_SLOPES, lse_base, lse_per_head, dk_base, stride_dks, dv_base, stride_dvs,
-                  alibi_base, n0, shift, m_lo, n_mblocks, total, qk_scale, softmax_scale,
+    def _consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
+                  DK, DV, ALIBI_SLOPES, dk_base, stride_dks, dv_base, stride_dvs,
+                  alibi_base, n0, shift, m_lo, m_end, total, qk_scale, softmax_scale,
                   WG: gl.constexpr, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   HALF_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -93,8 +116,10 @@ if AVAILABLE:
 
         k_s = k_smem.slice(WG * HALF_N, HALF_N)  # (HALF_N, D)
         v_s = v_smem.slice(WG * HALF_N, HALF_N)
-        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-        offs_n = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
+        row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query (column of Sᵀ)
+        offs_m = gl.arange(0, BLOCK_M, layout=row_layout)
+        key0 = n0 + WG * HALF_N  # the warpgroup's first key
+        offs_n = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
         zero_s = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)
         # the loop carries dK and dV typed as pending matmul results (each step re-wraps its waited values)
         dk = warpgroup_mma_init(gl.zeros([HALF_N, HEADDIM], gl.float32, acc_layout))
@@ -105,18 +130,18 @@ if AVAILABLE:
             operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
             k_s = k_s.load(operand)
             v_s = v_s.load(operand)
+        g = 0
+        m0 = m_lo
         for i in range(total):
             s = i % STAGES
-            g, m0 = _step_position(i, m_lo, n_mblocks, BLOCK_M)
-            rows = lse_base + g * lse_per_head + m0 + offs_m
-            lse_log2 = gl.load(LSE + rows) * LOG2E  # (BM,) issued early: used after the Sᵀ matmul
-            delta = gl.load(DELTA + rows)
             alibi_log2 = head_slope_log2(ALIBI_SLOPES, alibi_base + g, ALIBI)  # the step's query head's slope
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
             q_s = q_bufs.index(s)  # (BM, D)
             do_s = do_bufs.index(s)
             s_t = warpgroup_mma(k_s, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (HALF_N, BM)
             dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            lse_log2 = lse_bufs.index(s).load(row_layout) * LOG2E  # (BM,) read under the two matmuls
+            delta = delta_bufs.index(s).load(row_layout)
             s_t = warpgroup_mma_wait(1, deps=(s_t, ))
             # the previous step's stage can be refilled: its matmuls were waited for at the end of that step
             mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
@@ -124,8 +149,15 @@ if AVAILABLE:
             if ALIBI:
                 scores_t += alibi_bias(alibi_log2, (m0 + shift) + offs_m[None, :], offs_n[:, None])
             p_t = gl.exp2(scores_t - lse_log2[None, :])
-            if CAUSAL:  # bottom-right aligned: key n is visible from query m when n <= m + Sk - Sq
-                p_t = gl.where(offs_n[:, None] <= (m0 + shift) + offs_m[None, :], p_t, 0.0)
+            if CAUSAL:
+                # Only the steps that cross the diagonal hide any of the warpgroup's keys, so the others skip the
+                # mask's per-score work, except with K and V in registers: there the test is a branch taken while
+                # V dOᵀ, whose register operand is V, is in flight, and that miscompiled (wrong dK and dV, no ptxas
+                # warning; NOTES.md v40), so every step applies the mask.
+                if REG_KV:
+                    p_t = _causal_mask(p_t, offs_n, offs_m, m0 + shift)
+                elif key0 + HALF_N - 1 > m0 + shift:
+                    p_t = _causal_mask(p_t, offs_n, offs_m, m0 + shift)
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
             dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
             ds_t = p_t * (dp_t - delta[None, :])
@@ -133,6 +165,7 @@ if AVAILABLE:
             dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))  # not carried into the next step: see the docstring
             dk = warpgroup_mma_init(dk)
             dv = warpgroup_mma_init(dv)
+            g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
 
         offs_key = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, acc_layout))
@@ -142,7 +175,7 @@ if AVAILABLE:
 
     @gluon.jit
     def attn_bwd_dkdv_hopper_kernel(
-        q_desc, do_desc, k_desc, v_desc, LSE, DELTA, DK, DV, ALIBI_SLOPES,
+        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, DK, DV, ALIBI_SLOPES,
         q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
         stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lse_b, stride_lse_h,
         stride_alibi_b, nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
@@ -162,10 +195,13 @@ if AVAILABLE:
         if CAUSAL:
             m_lo = (gl.maximum(n0 - shift, 0) // BLOCK_M) * BLOCK_M
         n_mblocks = gl.cdiv(gl.maximum(seqlen_q - m_lo, 0), BLOCK_M)
+        m_end = m_lo + n_mblocks * BLOCK_M
         total = group_size * n_mblocks
 
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+        lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
+        delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -182,20 +218,21 @@ if AVAILABLE:
         dv_base = off_b * stride_dvb + off_hk * stride_dvh
         alibi_base = off_b * stride_alibi_b + off_h0  # the slopes of the GQA group's query heads follow
         gl.warp_specialize([
-            (_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV, ALIBI_SLOPES,
-                         lse_base, stride_lse_h, dk_base, stride_dks, dv_base, stride_dvs,
-                         alibi_base, n0, shift, m_lo, n_mblocks, total, qk_scale, softmax_scale,
+            (_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
+                         DK, DV, ALIBI_SLOPES, dk_base, stride_dks, dv_base, stride_dvs,
+                         alibi_base, n0, shift, m_lo, m_end, total, qk_scale, softmax_scale,
                          0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV)),
-            (_consumer, (q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar, LSE, DELTA, DK, DV, ALIBI_SLOPES,
-                         lse_base, stride_lse_h, dk_base, stride_dks, dv_base, stride_dvs,
-                         alibi_base, n0, shift, m_lo, n_mblocks, total, qk_scale, softmax_scale,
+            (_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
+                         DK, DV, ALIBI_SLOPES, dk_base, stride_dks, dv_base, stride_dvs,
+                         alibi_base, n0, shift, m_lo, m_end, total, qk_scale, softmax_scale,
                          1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, ready, empty, kv_bar,
+            (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
+                         delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
                          off_b * q_rows[0] + off_h0 * q_rows[1], q_rows[1], off_h0 * q_cols, q_cols,
                          off_b * do_rows[0] + off_h0 * do_rows[1], do_rows[1], off_h0 * do_cols, do_cols,
                          off_b * k_rows[0] + off_hk * k_rows[1] + n0, off_hk * k_cols,
-                         off_b * v_rows[0] + off_hk * v_rows[1] + n0, off_hk * v_cols,
-                         m_lo, n_mblocks, total, BLOCK_M, STAGES)),
+                         off_b * v_rows[0] + off_hk * v_rows[1] + n0, off_hk * v_cols, lse_base, stride_lse_h,
+                         m_lo, m_end, total, BLOCK_M, STAGES)),
         ], [4, 1], [232, 24])
 
 
@@ -210,13 +247,16 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
     return max_seqlen_q % BLOCK_M[q.shape[-1]] == 0 and max_seqlen_k % BLOCK_N == 0
 
 
-def register_kv(headdim: int) -> bool:
+def register_kv(headdim: int, causal: bool) -> bool:
     """Whether `_consumer` holds its K and V rows in registers, so that the K Qᵀ and V dOᵀ matmuls read only Qᵀ
     and dOᵀ from shared memory (from shared memory, an m64n64 wgmma needs both operands' 4 KB per 32 cycles, the
     shared memory's whole 128 B per cycle). At head dim 64 that is 32 registers a thread (round 28, H200, GPU kernel
     time: d64 causal n4096 dK/dV 1.487 -> 1.442 ms); at head dim 128, 64 registers, and the kernel spills (404-688 B
-    a thread where it spilled 72)."""
-    return headdim <= 64
+    a thread where it spilled 72). With the causal mask, since v40, it would forbid skipping the mask on the steps
+    that do not cross the diagonal (`_consumer`), which is worth more (H100, d64 causal n8192 dK/dV 2.31-2.39 ms with
+    K and V in registers, 2.16-2.21 without), so there it is off; without a mask it keeps its gain (d64 n8192
+    3.75-3.83 ms against 4.08-4.18)."""
+    return headdim <= 64 and not causal
 
 
 def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_scale: float, causal: bool,
@@ -231,14 +271,17 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     do_desc, do_rows, do_cols = descriptor(dout, block_m)
     k_desc, k_rows, k_cols = descriptor(k, BLOCK_N)
     v_desc, v_rows, v_cols = descriptor(v, BLOCK_N)
+    # the kernel addresses both by the LSE's strides: delta is made by empty_like(lse) (ops.attn_bwd_impl)
+    assert delta.stride() == lse.stride() and lse.stride(-1) == 1, (lse.stride(), delta.stride())
+    lse_desc, delta_desc = vector_descriptor(lse, block_m), vector_descriptor(delta, block_m)
     grid = (batch * nheads_k * triton.cdiv(seqlen_k, BLOCK_N),)
     attn_bwd_dkdv_hopper_kernel[grid](
-        q_desc, do_desc, k_desc, v_desc, lse, delta, dk, dv, alibi_slopes,
+        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk, dv, alibi_slopes,
         q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
         nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale,
         CAUSAL=causal, HEADDIM=headdim, BLOCK_M=block_m, HALF_N=HALF_N, STAGES=STAGES,
         HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_k, BLOCK_N), q.device), ALIBI=alibi_slopes is not None,
-        REG_KV=register_kv(headdim) if REGISTER_KV is None else REGISTER_KV, num_warps=4, maxnreg=MAXNREG,
+        REG_KV=register_kv(headdim, causal) if REGISTER_KV is None else REGISTER_KV, num_warps=4, maxnreg=MAXNREG,
     )
