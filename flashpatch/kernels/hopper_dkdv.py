@@ -151,9 +151,9 @@ if AVAILABLE:
             p_t = gl.exp2(scores_t - lse_log2[None, :])
             if CAUSAL:
                 # Only the steps that cross the diagonal hide any of the warpgroup's keys, so the others skip the
-                # mask's per-score work, except with K and V in registers: there the test is a branch taken while
-                # V dOᵀ, whose register operand is V, is in flight, and that miscompiled (wrong dK and dV, no ptxas
-                # warning; NOTES.md v40), so every step applies the mask.
+                # mask's per-score work, except with K and V in registers: there that branch miscompiled (wrong dK
+                # and dV, no ptxas warning), also with V dOᵀ waited for before it (NOTES.md v40), so every step
+                # applies the mask.
                 if REG_KV:
                     p_t = _causal_mask(p_t, offs_n, offs_m, m0 + shift)
                 elif key0 + HALF_N - 1 > m0 + shift:
