@@ -218,8 +218,9 @@ def _check_gluon_case(case, dtype, monkeypatch, make_slopes=None):
 ], ids=_gluon_id)
 def test_gluon_dkdv_kv_forms_match_triton_bitwise_bf16(case, register_kv, monkeypatch):
     # The Gluon dK/dV with K and V in registers or read from shared memory (hopper_dkdv.register_kv picks one per
-    # head dim and mask; round 29 found a miscompiled form under the causal mask, NOTES.md v40): both accumulate the
-    # Triton kernel's products in its order, so dK and dV are bit-identical to it, and within the float64 bar.
+    # head dim; round 29 found two miscompiled register forms under the causal mask, NOTES.md v40, v41): both
+    # accumulate the Triton kernel's products in its order, so dK and dV are bit-identical to it, and within the
+    # float64 bar.
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order = case
     torch.manual_seed(0)
 

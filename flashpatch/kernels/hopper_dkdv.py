@@ -102,9 +102,45 @@ if AVAILABLE:
             g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
 
     @gluon.jit
+    def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, ALIBI_SLOPES,
+              alibi_base, offs_m, offs_n, key0, shift, qk_scale, zero_s, a_layout: gl.constexpr,
+              row_layout: gl.constexpr, MASK: gl.constexpr, HALF_N: gl.constexpr, STAGES: gl.constexpr,
+              ALIBI: gl.constexpr):
+        """Step i of a consumer: query block m0 of GQA head g into dK and dV. MASK: 0 none, 1 the causal mask, 2
+        the causal mask where the step crosses the diagonal (a branch per step)."""
+        dtype: gl.constexpr = q_bufs.dtype
+        s = i % STAGES
+        alibi_log2 = head_slope_log2(ALIBI_SLOPES, alibi_base + g, ALIBI)  # the step's query head's slope
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        q_s = q_bufs.index(s)  # (BM, D)
+        do_s = do_bufs.index(s)
+        s_t = warpgroup_mma(k_s, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (HALF_N, BM)
+        dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        lse_log2 = lse_bufs.index(s).load(row_layout) * LOG2E  # (BM,) read under the two matmuls
+        delta = delta_bufs.index(s).load(row_layout)
+        s_t = warpgroup_mma_wait(1, deps=(s_t, ))
+        # the previous step's stage can be refilled: its matmuls were waited for at the end of that step
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+        scores_t = s_t * qk_scale  # log2 units
+        if ALIBI:
+            scores_t += alibi_bias(alibi_log2, (m0 + shift) + offs_m[None, :], offs_n[:, None])
+        p_t = gl.exp2(scores_t - lse_log2[None, :])
+        if MASK == 1:
+            p_t = _causal_mask(p_t, offs_n, offs_m, m0 + shift)
+        elif MASK == 2:  # only the steps that cross the diagonal hide any of the warpgroup's keys
+            if key0 + HALF_N - 1 > m0 + shift:
+                p_t = _causal_mask(p_t, offs_n, offs_m, m0 + shift)
+        dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
+        dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_s, dk, is_async=True)
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))  # not carried into the next step: see the docstring
+        return warpgroup_mma_init(dk), warpgroup_mma_init(dv)
+
+    @gluon.jit
     def _consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
                   DK, DV, ALIBI_SLOPES, dk_base, stride_dks, dv_base, stride_dvs,
-                  alibi_base, n0, shift, m_lo, m_end, total, qk_scale, softmax_scale,
+                  alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale,
                   WG: gl.constexpr, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   HALF_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -112,7 +148,6 @@ if AVAILABLE:
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEADDIM, 16])  # (keys, D)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-        dtype: gl.constexpr = q_bufs.dtype
 
         k_s = k_smem.slice(WG * HALF_N, HALF_N)  # (HALF_N, D)
         v_s = v_smem.slice(WG * HALF_N, HALF_N)
@@ -130,44 +165,36 @@ if AVAILABLE:
             operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
             k_s = k_s.load(operand)
             v_s = v_s.load(operand)
-        g = 0
-        m0 = m_lo
-        for i in range(total):
-            s = i % STAGES
-            alibi_log2 = head_slope_log2(ALIBI_SLOPES, alibi_base + g, ALIBI)  # the step's query head's slope
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            q_s = q_bufs.index(s)  # (BM, D)
-            do_s = do_bufs.index(s)
-            s_t = warpgroup_mma(k_s, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (HALF_N, BM)
-            dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            lse_log2 = lse_bufs.index(s).load(row_layout) * LOG2E  # (BM,) read under the two matmuls
-            delta = delta_bufs.index(s).load(row_layout)
-            s_t = warpgroup_mma_wait(1, deps=(s_t, ))
-            # the previous step's stage can be refilled: its matmuls were waited for at the end of that step
-            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
-            scores_t = s_t * qk_scale  # log2 units
-            if ALIBI:
-                scores_t += alibi_bias(alibi_log2, (m0 + shift) + offs_m[None, :], offs_n[:, None])
-            p_t = gl.exp2(scores_t - lse_log2[None, :])
-            if CAUSAL:
-                # Only the steps that cross the diagonal hide any of the warpgroup's keys, so the others skip the
-                # mask's per-score work, except with K and V in registers: there that branch miscompiled (wrong dK
-                # and dV, no ptxas warning), also with V dOᵀ waited for before it (NOTES.md v40), so every step
-                # applies the mask.
-                if REG_KV:
-                    p_t = _causal_mask(p_t, offs_n, offs_m, m0 + shift)
-                elif key0 + HALF_N - 1 > m0 + shift:
-                    p_t = _causal_mask(p_t, offs_n, offs_m, m0 + shift)
-            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
-            dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_s, dk, is_async=True)
-            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))  # not carried into the next step: see the docstring
-            dk = warpgroup_mma_init(dk)
-            dv = warpgroup_mma_init(dv)
-            g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
+        if CAUSAL and REG_KV:
+            # With K and V in registers a branch on the mask inside the step miscompiled (wrong dK and dV, no ptxas
+            # warning; NOTES.md v40, v41), so each head's steps run as two loops: those that cross the diagonal
+            # (j < n_diag: some of the warpgroup's keys hidden from some queries) with the mask, then the rest
+            # without it.
+            n_mblocks = (m_end - m_lo) // BLOCK_M
+            n_diag = gl.minimum(gl.cdiv(gl.maximum(key0 + HALF_N - 1 - shift - m_lo, 0), BLOCK_M), n_mblocks)
+            i = 0
+            for g in range(group_size):
+                for j in range(n_diag):
+                    dk, dv = _step(i, g, m_lo + j * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs,
+                                   ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, qk_scale,
+                                   zero_s, a_layout, row_layout, 1, HALF_N, STAGES, ALIBI)
+                    i += 1
+                for j in range(n_diag, n_mblocks):
+                    dk, dv = _step(i, g, m_lo + j * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs,
+                                   ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, qk_scale,
+                                   zero_s, a_layout, row_layout, 0, HALF_N, STAGES, ALIBI)
+                    i += 1
+        else:
+            g = 0
+            m0 = m_lo
+            for i in range(total):
+                dk, dv = _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty,
+                               ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, qk_scale, zero_s, a_layout,
+                               row_layout, 2 if CAUSAL else 0, HALF_N, STAGES, ALIBI)
+                g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
 
+        dtype: gl.constexpr = q_bufs.dtype
         offs_key = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, acc_layout))
         offs_d = gl.arange(0, HEADDIM, layout=gl.SliceLayout(0, acc_layout))
         gl.store(DK + dk_base + offs_key[:, None] * stride_dks + offs_d[None, :], (dk * softmax_scale).to(dtype))
@@ -220,11 +247,11 @@ if AVAILABLE:
         gl.warp_specialize([
             (_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
                          DK, DV, ALIBI_SLOPES, dk_base, stride_dks, dv_base, stride_dvs,
-                         alibi_base, n0, shift, m_lo, m_end, total, qk_scale, softmax_scale,
+                         alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale,
                          0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV)),
             (_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
                          DK, DV, ALIBI_SLOPES, dk_base, stride_dks, dv_base, stride_dvs,
-                         alibi_base, n0, shift, m_lo, m_end, total, qk_scale, softmax_scale,
+                         alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale,
                          1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
                          delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
@@ -247,16 +274,16 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
     return max_seqlen_q % BLOCK_M[q.shape[-1]] == 0 and max_seqlen_k % BLOCK_N == 0
 
 
-def register_kv(headdim: int, causal: bool) -> bool:
+def register_kv(headdim: int) -> bool:
     """Whether `_consumer` holds its K and V rows in registers, so that the K Qᵀ and V dOᵀ matmuls read only Qᵀ
     and dOᵀ from shared memory (from shared memory, an m64n64 wgmma needs both operands' 4 KB per 32 cycles, the
     shared memory's whole 128 B per cycle). At head dim 64 that is 32 registers a thread (round 28, H200, GPU kernel
     time: d64 causal n4096 dK/dV 1.487 -> 1.442 ms); at head dim 128, 64 registers, and the kernel spills (404-688 B
-    a thread where it spilled 72). With the causal mask, since v40, it would forbid skipping the mask on the steps
-    that do not cross the diagonal (`_consumer`), which is worth more (H100, d64 causal n8192 dK/dV 2.31-2.39 ms with
-    K and V in registers, 2.16-2.21 without), so there it is off; without a mask it keeps its gain (d64 n8192
-    3.75-3.83 ms against 4.08-4.18)."""
-    return headdim <= 64 and not causal
+    a thread where it spilled 72). Under the causal mask it runs as two loops per head (`_consumer`; NOTES.md v42),
+    since skipping the mask by a branch inside the step miscompiled with K and V in registers (v40, v41): H100, d64
+    causal dK/dV n8192 2.14-2.15 -> 1.95 ms, the 121M recipe's shape 0.237-0.240 -> 0.216 against K and V read from
+    shared memory with that branch; without a mask, 3.75-3.83 against 4.08-4.18 (n8192)."""
+    return headdim <= 64
 
 
 def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_scale: float, causal: bool,
@@ -283,5 +310,5 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
         nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale,
         CAUSAL=causal, HEADDIM=headdim, BLOCK_M=block_m, HALF_N=HALF_N, STAGES=STAGES,
         HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_k, BLOCK_N), q.device), ALIBI=alibi_slopes is not None,
-        REG_KV=register_kv(headdim, causal) if REGISTER_KV is None else REGISTER_KV, num_warps=4, maxnreg=MAXNREG,
+        REG_KV=register_kv(headdim) if REGISTER_KV is None else REGISTER_KV, num_warps=4, maxnreg=MAXNREG,
     )
