@@ -195,7 +195,7 @@ if AVAILABLE:
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
 
         dtype: gl.constexpr = q_bufs.dtype
-        offs_key = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, acc_layout))
+        offs_key = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, acc_layout))
         offs_d = gl.arange(0, HEADDIM, layout=gl.SliceLayout(0, acc_layout))
         gl.store(DK + dk_base + offs_key[:, None] * stride_dks + offs_d[None, :], (dk * softmax_scale).to(dtype))
         gl.store(DV + dv_base + offs_key[:, None] * stride_dvs + offs_d[None, :], dv.to(dtype))
