@@ -38,7 +38,8 @@ def main():
     parser.add_argument("--persistent", action="store_true", help="the forward's or dQ's PERSISTENT variant")
     parser.add_argument("--consumers", type=int, default=0, help="the forward's consumer warpgroups (0: its rule)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=0|1",
-                        help="a boolean constexpr of the kernel (FOLD, REG_KV); unset ones are 0")
+                        help="a constexpr of the kernel (FOLD, REG_KV, LSE_FIRST); unset ones take the "
+                             "launcher's choice for this head dim (dK/dV's REG_KV, LSE_FIRST), else 0")
     parser.add_argument("--out", default="runs/ir")
     args = parser.parse_args()
     d = args.headdim
@@ -54,7 +55,7 @@ def main():
         descs = {"q_desc": desc(bm), "do_desc": desc(bm), "k_desc": desc(hk.BLOCK_N), "v_desc": desc(hk.BLOCK_N),
                  "lse_desc": vec, "delta_desc": vec}
         consts = dict(CAUSAL=args.causal, HEADDIM=d, BLOCK_M=bm, HALF_N=hk.HALF_N, STAGES=args.stages or hk.STAGES,
-                      HEAD_GROUP=args.head_group)
+                      HEAD_GROUP=args.head_group, REG_KV=hk.register_kv(d), LSE_FIRST=hk.lse_first(d))
     elif args.kernel == "dq":
         fn, maxnreg = hq.attn_bwd_dq_hopper_kernel, hq.MAXNREG
         bn = args.block_n or hq.BLOCK_N
@@ -72,8 +73,8 @@ def main():
                       CONSUMERS=consumers)
     consts.update(ALIBI=args.alibi)
     flags = dict(item.split("=") for item in args.set)
-    consts.update({name: bool(int(flags.pop(name, 0))) for name in fn.arg_names
-                   if name.startswith(("REG_", "FOLD"))})
+    consts.update({name: bool(int(flags.pop(name, consts.get(name, 0)))) for name in fn.arg_names
+                   if name.startswith(("REG_", "FOLD", "LSE_FIRST"))})
     consts.update({name: int(flags.pop(name)) for name in list(flags) if name in fn.arg_names})  # integer ones
     if flags:
         raise ValueError(f"--set names no constexpr of this kernel: {sorted(flags)}")

@@ -15,7 +15,9 @@ refilled), which keep its two warpgroups in lockstep, so neither fills the other
 
 LSE and delta come through the ring rather than by loads of the consumers: loaded at the top of a step, they were
 needed before the step's first matmul could be issued, and every step waited for them (Nsight Compute, d64 causal
-n8192: 9% of all stall samples at the multiply that scales the LSE, NOTES.md v40).
+n8192: 9% of all stall samples at the multiply that scales the LSE, NOTES.md v40). Where in the step the consumers
+read them from shared memory depends on the head dim (`lse_first`: at 128, apart, to keep the registers from
+spilling).
 
 The two consumers never wait for each other, only for the producer, so one's softmax runs under the other's matmuls
 (the Triton kernel's CTA barriers forbid that). dK and dV are waited for at the end of each step: leaving them in
@@ -105,7 +107,7 @@ if AVAILABLE:
     def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, ALIBI_SLOPES,
               alibi_base, offs_m, offs_n, key0, shift, qk_scale, zero_s, a_layout: gl.constexpr,
               row_layout: gl.constexpr, MASK: gl.constexpr, HALF_N: gl.constexpr, STAGES: gl.constexpr,
-              ALIBI: gl.constexpr):
+              ALIBI: gl.constexpr, LSE_FIRST: gl.constexpr):
         """Step i of a consumer: query block m0 of GQA head g into dK and dV. MASK: 0 none, 1 the causal mask, 2
         the causal mask where the step crosses the diagonal (a branch per step)."""
         dtype: gl.constexpr = q_bufs.dtype
@@ -114,10 +116,13 @@ if AVAILABLE:
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         q_s = q_bufs.index(s)  # (BM, D)
         do_s = do_bufs.index(s)
+        if LSE_FIRST:  # (BM,) in log2 units; see `lse_first`
+            lse_log2 = lse_bufs.index(s).load(row_layout) * LOG2E
         s_t = warpgroup_mma(k_s, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (HALF_N, BM)
         dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        lse_log2 = lse_bufs.index(s).load(row_layout) * LOG2E  # (BM,) read under the two matmuls
-        delta = delta_bufs.index(s).load(row_layout)
+        if not LSE_FIRST:  # read under the two matmuls
+            lse_log2 = lse_bufs.index(s).load(row_layout) * LOG2E
+            delta = delta_bufs.index(s).load(row_layout)
         s_t = warpgroup_mma_wait(1, deps=(s_t, ))
         # the previous step's stage can be refilled: its matmuls were waited for at the end of that step
         mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
@@ -131,6 +136,8 @@ if AVAILABLE:
             if key0 + HALF_N - 1 > m0 + shift:
                 p_t = _causal_mask(p_t, offs_n, offs_m, m0 + shift)
         dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
+        if LSE_FIRST:  # delta is live from here on only, with LSE no longer needed
+            delta = delta_bufs.index(s).load(row_layout)
         dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
         ds_t = p_t * (dp_t - delta[None, :])
         dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_s, dk, is_async=True)
@@ -142,7 +149,8 @@ if AVAILABLE:
                   DK, DV, ALIBI_SLOPES, dk_base, stride_dks, dv_base, stride_dvs,
                   alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale,
                   WG: gl.constexpr, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                  HALF_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr):
+                  HALF_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr,
+                  LSE_FIRST: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])  # (keys, queries)
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -177,12 +185,12 @@ if AVAILABLE:
                 for j in range(n_diag):
                     dk, dv = _step(i, g, m_lo + j * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs,
                                    ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, qk_scale,
-                                   zero_s, a_layout, row_layout, 1, HALF_N, STAGES, ALIBI)
+                                   zero_s, a_layout, row_layout, 1, HALF_N, STAGES, ALIBI, LSE_FIRST)
                     i += 1
                 for j in range(n_diag, n_mblocks):
                     dk, dv = _step(i, g, m_lo + j * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs,
                                    ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, qk_scale,
-                                   zero_s, a_layout, row_layout, 0, HALF_N, STAGES, ALIBI)
+                                   zero_s, a_layout, row_layout, 0, HALF_N, STAGES, ALIBI, LSE_FIRST)
                     i += 1
         else:
             g = 0
@@ -190,7 +198,7 @@ if AVAILABLE:
             for i in range(total):
                 dk, dv = _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty,
                                ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, qk_scale, zero_s, a_layout,
-                               row_layout, 2 if CAUSAL else 0, HALF_N, STAGES, ALIBI)
+                               row_layout, 2 if CAUSAL else 0, HALF_N, STAGES, ALIBI, LSE_FIRST)
                 g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
 
@@ -208,6 +216,7 @@ if AVAILABLE:
         stride_alibi_b, nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
         STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr,
+        LSE_FIRST: gl.constexpr,
     ):
         BLOCK_N: gl.constexpr = 2 * HALF_N
         num_n = gl.cdiv(seqlen_k, BLOCK_N)
@@ -248,11 +257,11 @@ if AVAILABLE:
             (_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
                          DK, DV, ALIBI_SLOPES, dk_base, stride_dks, dv_base, stride_dvs,
                          alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale,
-                         0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV)),
+                         0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST)),
             (_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
                          DK, DV, ALIBI_SLOPES, dk_base, stride_dks, dv_base, stride_dvs,
                          alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale,
-                         1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV)),
+                         1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
                          delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
                          off_b * q_rows[0] + off_h0 * q_rows[1], q_rows[1], off_h0 * q_cols, q_cols,
@@ -286,6 +295,18 @@ def register_kv(headdim: int) -> bool:
     return headdim <= 64
 
 
+def lse_first(headdim: int) -> bool:
+    """Whether `_step` reads its LSE values before issuing the step's two matmuls and its delta values only after
+    issuing dV's, rather than both right after the two matmuls. At head dim 128 the consumer's 232 registers hold dK
+    and dV (128) besides Sᵀ and dPᵀ (64), and LSE and delta live side by side (32 more) made ptxas spill 36 B a
+    thread (96 B under the causal mask, loop counters among them); the waits on those values' shared-memory reads,
+    queued behind the matmuls' issue, and on the spills' reloads were 10-15% of Nsight Compute's stall samples
+    (NOTES.md v43). Read apart, the spills drop to 12 B (32 B causal) and d128 dK/dV takes 4-14% less time (H200:
+    n8192 3.54 -> 3.14 ms, causal 1.68 -> 1.61, the 1B shape 0.149 -> 0.134). At head dim 64 nothing spills, and the
+    early read only delays the matmuls' issue: unmasked n8192 3.84 -> 4.17 ms."""
+    return headdim > 64
+
+
 def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_scale: float, causal: bool,
                   alibi_slopes=None) -> None:
     """dK, dV (written into dk, dv) for a call `supported` accepted. q, dout: (B, Sq, H, D); k, v: (B, Sk, Hk, D);
@@ -310,5 +331,6 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
         nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale,
         CAUSAL=causal, HEADDIM=headdim, BLOCK_M=block_m, HALF_N=HALF_N, STAGES=STAGES,
         HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_k, BLOCK_N), q.device), ALIBI=alibi_slopes is not None,
-        REG_KV=register_kv(headdim) if REGISTER_KV is None else REGISTER_KV, num_warps=4, maxnreg=MAXNREG,
+        REG_KV=register_kv(headdim) if REGISTER_KV is None else REGISTER_KV, LSE_FIRST=lse_first(headdim),
+        num_warps=4, maxnreg=MAXNREG,
     )
