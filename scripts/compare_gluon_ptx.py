@@ -6,7 +6,9 @@ change leaves the kernels it was not meant to touch as they were (the GPU tests 
 Each variant is compiled by scripts/dump_gluon.py in a `git worktree` of BASE_REV and in this checkout (with
 PYTHONPATH on a `pip install --target` of Triton 3.6, the GPU's compiler). Instructions are compared with their
 operands; parameter numbers, debug lines and data directives are left out (a new kernel argument renumbers the
-parameters). Prints one line per variant and exits 1 if any differs.
+parameters). Prints one line per variant and exits 1 if any differs. Each side compiles with its own dump_gluon.py,
+whose unset dK/dV constexprs follow the launcher since 67b4ab0 (0 before): against an older BASE_REV, name them
+(e.g. "dkdv --causal --headdim 64 --set REG_KV=1"), or the d64 dK/dV variants differ by REG_KV alone.
 """
 
 import argparse
