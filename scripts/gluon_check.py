@@ -10,7 +10,8 @@ one program per query block, hopper_fwd.PERSISTENT), "+dq" / "+dq128" (the Gluon
 with 128-query steps), "+gN" (every kernel's grid in head groups of N, config.head_group; g0: all heads in one
 group; a persistent grid orders causal blocks its own way), and round 28's register operands and folded scale:
 "+fold" / "+nofold" (config.KernelConfigs.fold_scale), "+rkv" / "+norkv" (hopper_dkdv.REGISTER_KV forced on or
-off), "+c3" / "+c2" (the d64 Gluon forward with three or two consumer warpgroups,
+off), "+wrN" (the dK/dV worker consumer's setmaxnreg count, hopper_dkdv.CONSUMER_REGISTERS, e.g. "+wr240"),
+"+c3" / "+c2" (the d64 Gluon forward with three or two consumer warpgroups,
 hopper_fwd.CONSUMERS_BY_HEADDIM), "+serial" (dQ after dK/dV, not beside it: each kernel's own time) and "+gdq" (the
 Gluon dQ under the "default" base). Its measured losers, removed since: "+rq" (the forward's Q, and "+rqdo" the dQ
 kernel's Q and dO, held in registers as matmul operands), "+rk" (K alone), "+c3dk" and "+c3dq" (three consumer
@@ -93,6 +94,8 @@ def apply_round28_extras(extras) -> dict:
     """Round 28's kernel flags from a variant's extras (module docstring): sets the module-level ones and returns the
     KernelConfigs fields for kc.override."""
     hk.REGISTER_KV = True if "rkv" in extras else False if "norkv" in extras else None
+    worker_regs = [int(e[2:]) for e in extras if e.startswith("wr") and e[2:].isdigit()]
+    hk.CONSUMER_REGISTERS = worker_regs[0] if worker_regs else None
     hf.CONSUMERS_BY_HEADDIM[64] = 3 if "c3" in extras else 2 if "c2" in extras else CONSUMERS_D64
     fields = {"fold_scale": e == "fold" for e in extras if e in ("fold", "nofold")}
     if "serial" in extras:  # dQ after dK/dV, so each kernel's time is its own

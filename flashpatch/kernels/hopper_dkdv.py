@@ -56,6 +56,9 @@ MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to th
 # K and V held in registers as the A operands of K Qᵀ and V dOᵀ (`_consumer`): None follows `register_kv`; True /
 # False force it (scripts/gluon_check.py "+rkv" / "+norkv").
 REGISTER_KV: bool | None = None
+# The dK/dV consumer worker's setmaxnreg count (`consumer_registers`); None follows it, an int forces it
+# (scripts/gluon_check.py "+wrN").
+CONSUMER_REGISTERS: int | None = None
 
 
 if AVAILABLE:
@@ -216,7 +219,7 @@ if AVAILABLE:
         stride_alibi_b, nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
         STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr,
-        LSE_FIRST: gl.constexpr,
+        LSE_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     ):
         BLOCK_N: gl.constexpr = 2 * HALF_N
         num_n = gl.cdiv(seqlen_k, BLOCK_N)
@@ -269,7 +272,7 @@ if AVAILABLE:
                          off_b * k_rows[0] + off_hk * k_rows[1] + n0, off_hk * k_cols,
                          off_b * v_rows[0] + off_hk * v_rows[1] + n0, off_hk * v_cols, lse_base, stride_lse_h,
                          m_lo, m_end, total, BLOCK_M, STAGES)),
-        ], [4, 1], [232, 24])
+        ], [4, 1], [CONSUMER_REGS, 24])
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, varlen: bool,
@@ -307,6 +310,12 @@ def lse_first(headdim: int) -> bool:
     return headdim > 64
 
 
+def consumer_registers(headdim: int) -> int:
+    """The registers a thread that setmaxnreg gives the worker consumer warpgroup; the default partition's consumer
+    gets what the producer warp (24) and this one leave of the 168 x 12 warps the kernel is launched with."""
+    return 240 if headdim > 64 else 232
+
+
 def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_scale: float, causal: bool,
                   alibi_slopes=None) -> None:
     """dK, dV (written into dk, dv) for a call `supported` accepted. q, dout: (B, Sq, H, D); k, v: (B, Sk, Hk, D);
@@ -332,5 +341,6 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
         CAUSAL=causal, HEADDIM=headdim, BLOCK_M=block_m, HALF_N=HALF_N, STAGES=STAGES,
         HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_k, BLOCK_N), q.device), ALIBI=alibi_slopes is not None,
         REG_KV=register_kv(headdim) if REGISTER_KV is None else REGISTER_KV, LSE_FIRST=lse_first(headdim),
+        CONSUMER_REGS=consumer_registers(headdim) if CONSUMER_REGISTERS is None else CONSUMER_REGISTERS,
         num_warps=4, maxnreg=MAXNREG,
     )
