@@ -295,6 +295,19 @@ def test_gluon_kernels_take_only_lengths_that_divide_their_tiles(monkeypatch, se
     assert hopper_dkdv.supported(q, k, v, q, **scope) == (seqlen_q % 64 == 0 and seqlen_k % 128 == 0)
 
 
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_gluon_dkdv_register_split_is_one_setmaxnreg_can_take(headdim):
+    # The dK/dV kernel launches 12 warps of MAXNREG registers and warp_specialize hands the worker consumer and the
+    # producer warp their counts; the default partition's consumer gets the rest of its three warpgroups' share.
+    # setmaxnreg takes multiples of 8 in [24, 256]: a count outside that fails only at a GPU launch.
+    from flashpatch.kernels import hopper_dkdv
+
+    worker = hopper_dkdv.consumer_registers(headdim)
+    default = 3 * hopper_dkdv.MAXNREG - worker - 24
+    for count in (worker, default):
+        assert 24 <= count <= 256 and count % 8 == 0, (headdim, worker, default)
+
+
 def test_persistent_grid_rule():
     # the d128 Gluon forward runs as a persistent grid, the d64 one per block; dQ persistent only on rows of at
     # most 8 query blocks, where the per-block grid has no head groups to lose (config.persistent_grid's figures)
