@@ -102,6 +102,8 @@ def apply_round28_extras(extras) -> dict:
         fields["concurrent_dq"] = False
     if "gdq" in extras:  # the Gluon dQ under the "default" base
         fields["gluon_dq"] = True
+    if "adq" in extras:  # atomic dQ: inside the Gluon dK/dV at head dim 128 (hopper_dkdv.fuses_dq)
+        fields["atomic_dq"] = True
     return fields
 
 
@@ -206,6 +208,8 @@ def timing(shapes, variants):
             dkdv = sum(t for key, t in times.items() if "dkdv" in key)
             dq_time = sum(t for key, t in times.items() if "_dq_" in key)
             bwd = sum(t for key, t in times.items() if key.startswith("attn_bwd"))
+            if "adq" in extras:  # the fp32 dQ buffer's zeroing and copy are part of that backward
+                bwd += sum(t for key, t in times.items() if not key.startswith("attn_"))
             fwd = sum(t for key, t in times.items() if key.startswith("attn_fwd"))
             print(f"| {shape} | {name} | {fwd:.3f} | {flops / 2.5 / fwd * 1e-9:.0f} | {dkdv:.3f} | {dq_time:.3f} | "
                   f"{bwd:.3f} | {flops / bwd * 1e-9:.0f} |", flush=True)
