@@ -82,14 +82,17 @@ def main():
     if not args.alibi:
         consts.update(ALIBI_SLOPES=None)  # what the JIT makes of a None argument
     if args.kernel == "dkdv" and not consts.get("FUSED_DQ"):
-        consts.update(DQ=None)  # no dQ buffer: the dK/dV kernel alone
+        consts.update(dq_desc=None)  # no dQ buffer: the dK/dV kernel alone
     sig = {}
     for name in fn.arg_names:
         if name in consts:
             sig[name] = "constexpr"
         elif name in descs:
             sig[name] = descs[name]
-        elif name in ("LSE", "DELTA", "ALIBI_SLOPES") or (name == "DQ" and consts.get("FUSED_DQ")):
+        elif name == "dq_desc":
+            sig[name] = (f"tensordesc<fp32[{bm}, 32],"
+                         f"{gl.NVMMASharedLayout.get_default_for([bm, 32], gl.float32)!r}>")
+        elif name in ("LSE", "DELTA", "ALIBI_SLOPES"):
             sig[name] = "*fp32"
         elif name in ("DK", "DV", "O", "DQ"):
             sig[name] = "*bf16"

@@ -38,14 +38,15 @@ import triton
 from flashpatch.kernels.common import head_and_block
 from flashpatch.kernels.config import head_group
 from flashpatch.kernels.hopper_common import (
-    AVAILABLE, alibi_batch_stride, descriptor, sm90_dense_ok, tma_load, vector_descriptor)
+    AVAILABLE, alibi_batch_stride, descriptor, fp32_descriptor, sm90_dense_ok, tma_load, vector_descriptor)
 
 if AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
+    from flashpatch.kernels.hopper_common import tma_reduce_add
     from flashpatch.kernels.hopper_fwd import alibi_bias, head_slope_log2
 
 BLOCK_M = {64: 64, 128: 64}  # queries per step, by head dim
@@ -161,7 +162,8 @@ if AVAILABLE:
         fp32 partial in a two-slot shared ring, consumer 1 starts its own matmul from it and adds the sum into the
         fp32 dQ in global memory (relaxed atomics). Only consumer 1 waits for the other, so the two need not run in
         step (a rendezvous each step did: NOTES.md v20)."""
-        ds_bufs, dq_bufs, dq_full, dq_empty, DQ, dq_base, stride_dqs, stride_dqh, softmax_scale = dq_parts
+        ds_bufs, dq_bufs, dq_full, dq_empty, dq_desc, dq_row, dq_row_per_head, dq_col, dq_col_per_head, \
+            softmax_scale = dq_parts
         BLOCK_M: gl.constexpr = ds_bufs.shape[1]
         HEADDIM: gl.constexpr = dq_bufs.shape[2]
         ds_s = ds_bufs.index(WG)  # (BM, HALF_N): dS, queries by the consumer's keys
@@ -178,8 +180,6 @@ if AVAILABLE:
         else:
             mbarrier.wait(dq_full.index(slot), phase)
             part = dq_bufs.index(slot).load(acc_layout)
-            gl.thread_barrier()  # every thread's read done before the slot is handed back
-            mbarrier.arrive(dq_empty.index(slot))
             dq = warpgroup_mma(ds_s, k_s, part, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq, ))
         if WG == 0:
@@ -189,10 +189,19 @@ if AVAILABLE:
             gl.thread_barrier()  # every thread's write done before consumer 1 is told
             mbarrier.arrive(dq_full.index(slot))
         else:
-            offs_q = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-            offs_d = gl.arange(0, HEADDIM, layout=gl.SliceLayout(0, acc_layout))
-            ptrs = DQ + dq_base + g * stride_dqh + offs_q[:, None] * stride_dqs + offs_d[None, :]
-            gl.atomic_add(ptrs, dq * softmax_scale, sem="relaxed")
+            # the sum goes back into the slot it came from and from there, by a TMA reduce-add, into dQ; the slot is
+            # handed back once that reduce has read it, which the next step's store_wait(1) sees
+            dq_s = dq_bufs.index(slot)
+            dq_s.store(dq * softmax_scale)
+            fence_async_shared()
+            gl.thread_barrier()  # every thread's write done before the reduce is issued
+            # in 128-byte column chunks, the TMA box of a 128-byte swizzle (the lowering splits copies, not reduces)
+            CHUNK: gl.constexpr = dq_desc.block_type.shape[1]
+            for c in gl.static_range(HEADDIM // CHUNK):
+                tma_reduce_add(dq_desc, [dq_row + g * dq_row_per_head + m0, dq_col + g * dq_col_per_head + c * CHUNK],
+                               dq_s.slice(c * CHUNK, CHUNK, dim=1))
+            tma.store_wait(HEADDIM // CHUNK)  # this step's reduces may run on, the step before's have read
+            mbarrier.arrive(dq_empty.index((i + 1) % 2), pred=i > 0)
         return dk, dv
 
     @gluon.jit
@@ -255,6 +264,8 @@ if AVAILABLE:
                                FUSED_DQ)
                 g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        if FUSED_DQ:
+            tma.store_wait(0)  # the last dQ reduce has read its slot before the program's shared memory goes
 
         dtype: gl.constexpr = q_bufs.dtype
         offs_key = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, acc_layout))
@@ -264,10 +275,9 @@ if AVAILABLE:
 
     @gluon.jit
     def attn_bwd_dkdv_hopper_kernel(
-        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, DK, DV, DQ, ALIBI_SLOPES,
-        q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
-        stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqs, stride_dqh,
-        stride_lse_b, stride_lse_h,
+        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, DK, DV, ALIBI_SLOPES,
+        q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, dq_rows, dq_cols,  # see rows_view
+        stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lse_b, stride_lse_h,
         stride_alibi_b, nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
         STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr,
@@ -312,8 +322,8 @@ if AVAILABLE:
             for s in gl.static_range(2):
                 mbarrier.init(dq_full.index(s), count=1)
                 mbarrier.init(dq_empty.index(s), count=1)
-            dq_parts = (ds_bufs, dq_bufs, dq_full, dq_empty, DQ, off_b * stride_dqb + off_h0 * stride_dqh,
-                        stride_dqs, stride_dqh, softmax_scale)
+            dq_parts = (ds_bufs, dq_bufs, dq_full, dq_empty, dq_desc, off_b * dq_rows[0] + off_h0 * dq_rows[1],
+                        dq_rows[1], off_h0 * dq_cols, dq_cols, softmax_scale)
         else:
             dq_parts = 0
         fence_async_shared()
@@ -412,12 +422,12 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     fused = dq_accum is not None
     if fused and not fuses_dq(headdim):
         raise ValueError(f"the Gluon dK/dV adds dQ itself only where fuses_dq (head dim 128), not at {headdim}")
-    dq_strides = (dq_accum.stride(0), dq_accum.stride(1), dq_accum.stride(2)) if fused else (0, 0, 0)
+    dq_desc, dq_rows, dq_cols = fp32_descriptor(dq_accum, block_m) if fused else (None, (0, 0), 0)
     grid = (batch * nheads_k * triton.cdiv(seqlen_k, BLOCK_N),)
     attn_bwd_dkdv_hopper_kernel[grid](
-        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk, dv, dq_accum, alibi_slopes,
-        q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *dq_strides,
+        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, dk, dv, alibi_slopes,
+        q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, dq_rows, dq_cols,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
         nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale,
         CAUSAL=causal, HEADDIM=headdim, BLOCK_M=block_m, HALF_N=HALF_N, STAGES=STAGES,
