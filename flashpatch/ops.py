@@ -378,11 +378,9 @@ def attn_bwd_impl(
     causal = window_right == 0
 
     def launch_dkdv():
-        # with atomic dQ, the Gluon dK/dV only where it adds dQ itself (hopper_dkdv.fuses_dq)
-        if (cfgs.gluon_dkdv and (not atomic_dq or hopper_dkdv.fuses_dq(headdim))
-                and hopper_dkdv.supported(q, k, v, dout, **gluon_scope)):
+        if cfgs.gluon_dkdv and not atomic_dq and hopper_dkdv.supported(q, k, v, dout, **gluon_scope):
             hopper_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal,
-                                      alibi_slopes, dq_accum=dq_accum if atomic_dq else None)
+                                      alibi_slopes)
         else:
             c = cfgs.bwd_dkdv
             tma_dkdv = c.tma and tma_usable(headdim, q, k, v, dout, dq_accum, dk, dv)

@@ -15,7 +15,8 @@ off), "+wrN" (the dK/dV worker consumer's setmaxnreg count, hopper_dkdv.CONSUMER
 hopper_fwd.CONSUMERS_BY_HEADDIM), "+serial" (dQ after dK/dV, not beside it: each kernel's own time) and "+gdq" (the
 Gluon dQ under the "default" base). Its measured losers, removed since: "+rq" (the forward's Q, and "+rqdo" the dQ
 kernel's Q and dO, held in registers as matmul operands), "+rk" (K alone), "+c3dk" and "+c3dq" (three consumer
-warpgroups in the d64 dK/dV and dQ: NOTES.md v37, v38), "+ahN" (the dK/dV step's LSE read a step ahead, v45).
+warpgroups in the d64 dK/dV and dQ: NOTES.md v37, v38), "+ahN" (the dK/dV step's LSE read a step ahead, v45),
+"+adq" (atomic dQ fused into the d128 Gluon dK/dV, v46).
 The base "default" runs each kernel that config chooses (no override). --check-extras applies such extras (e.g. "nofold+norkv") to the float64 check. Round 17's logs
 also name variants since removed: "carry" (dK/dV left in flight into the next step) and "fwdskew" (the forward's
 intra-warpgroup skew), NOTES.md v19.
@@ -102,8 +103,6 @@ def apply_round28_extras(extras) -> dict:
         fields["concurrent_dq"] = False
     if "gdq" in extras:  # the Gluon dQ under the "default" base
         fields["gluon_dq"] = True
-    if "adq" in extras:  # atomic dQ: inside the Gluon dK/dV at head dim 128 (hopper_dkdv.fuses_dq)
-        fields["atomic_dq"] = True
     return fields
 
 
@@ -208,8 +207,6 @@ def timing(shapes, variants):
             dkdv = sum(t for key, t in times.items() if "dkdv" in key)
             dq_time = sum(t for key, t in times.items() if "_dq_" in key)
             bwd = sum(t for key, t in times.items() if key.startswith("attn_bwd"))
-            if "adq" in extras:  # the fp32 dQ buffer's zeroing and copy are part of that backward
-                bwd += sum(t for key, t in times.items() if not key.startswith("attn_"))
             fwd = sum(t for key, t in times.items() if key.startswith("attn_fwd"))
             print(f"| {shape} | {name} | {fwd:.3f} | {flops / 2.5 / fwd * 1e-9:.0f} | {dkdv:.3f} | {dq_time:.3f} | "
                   f"{bwd:.3f} | {flops / bwd * 1e-9:.0f} |", flush=True)

@@ -249,40 +249,6 @@ def test_gluon_dkdv_kv_forms_match_triton_bitwise_bf16(case, register_kv, monkey
 
 @needs_gluon
 @pytest.mark.parametrize("case", [
-    (2, 256, 256, 4, 4, 128, True, "bshd"),
-    (2, 256, 256, 4, 4, 128, False, "bhsd"),
-    (1, 512, 512, 8, 2, 128, True, "bshd"),  # GQA: the steps wrap to the group's next query head
-    (2, 384, 128, 4, 1, 128, True, "bshd"),  # Sq > Sk: the first 256 queries see no key
-    (1, 640, 1152, 4, 2, 128, False, "bshd"),  # Sq < Sk
-    (1, 640, 1152, 4, 2, 128, True, "bshd"),
-], ids=_gluon_id)
-def test_gluon_dkdv_fused_dq_matches_float64_bf16(case, monkeypatch):
-    # Atomic dQ at head dim 128: the Gluon dK/dV adds dQ into the fp32 buffer itself (hopper_dkdv._fused_dq: the
-    # second consumer starts its dS K from the first's partial, handed over in a two-slot shared ring).
-    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order = case
-    torch.manual_seed(0)
-
-    def tensor(seqlen, heads):
-        if order == "bhsd":
-            return torch.randn(batch, heads, seqlen, headdim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-        return torch.randn(batch, seqlen, heads, headdim, device="cuda", dtype=torch.bfloat16)
-
-    q, k, v = (tensor(n, h).requires_grad_() for n, h in ((seqlen_q, nheads), (seqlen_k, nheads_k),
-                                                           (seqlen_k, nheads_k)))
-    fused = []
-    launch = hopper_dkdv.attn_bwd_dkdv
-    monkeypatch.setattr(hopper_dkdv, "attn_bwd_dkdv", lambda *a, **kw: fused.append(kw.get("dq_accum") is not None)
-                        or launch(*a, **kw))
-    with kernel_config.override(gluon_dkdv=True, atomic_dq=True):
-        out = flashpatch.flash_attn_func(q, k, v, causal=causal)
-        dout = torch.randn_like(out)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
-    assert fused == [True], fused
-    check_against_reference(out, grads, q, k, v, dout, causal=causal)
-
-
-@needs_gluon
-@pytest.mark.parametrize("case", [
     (2, 1024, 1024, 8, 2, 128, True, 0.1, False),
     (1, 640, 1152, 4, 4, 128, True, 0.2, False),  # Sq < Sk, bottom-right causal
     (2, 512, 1024, 4, 1, 128, False, 0.1, False),

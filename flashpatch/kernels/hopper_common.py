@@ -16,17 +16,6 @@ try:  # Gluon is experimental: its module layout has changed between Triton rele
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     # TMA tile load into shared memory, signalling an mbarrier: renamed after Triton 3.6
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    from triton._C.libtriton import ir as _ir
-    from triton.experimental.gluon.language._core import builtin as _builtin
-
-    @_builtin
-    def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-        """TMA reduce-add of a shared-memory tile into global memory (cp.reduce.async.bulk.tensor .add): issued
-        like a TMA store, and waited for like one (tma.store_wait). Triton 3.6's Gluon builds the op but names no
-        Python function for it."""
-        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                                  src.handle)
     AVAILABLE = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
@@ -90,14 +79,6 @@ def descriptor(t: torch.Tensor, block_rows: int):
     shape, strides, rows, cols = rows_view(t)
     layout = _shared_layout(block_rows, t.shape[-1], t.dtype == torch.float16)
     return TensorDescriptor(t, shape, strides, [block_rows, t.shape[-1]], layout), rows, cols
-
-
-def fp32_descriptor(t: torch.Tensor, block_rows: int):
-    """`descriptor` for an fp32 (B, S, H, D) tensor (a dQ accumulator), in (block_rows, 32) tiles: 128 bytes wide,
-    the widest box a 128-byte swizzle allows, as a TMA reduce is not split the way copies are."""
-    shape, strides, rows, cols = rows_view(t)
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, 32], gl.float32)
-    return TensorDescriptor(t, shape, strides, [block_rows, 32], layout), rows, cols
 
 
 def vector_descriptor(t: torch.Tensor, block: int):

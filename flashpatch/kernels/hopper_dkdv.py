@@ -38,15 +38,14 @@ import triton
 from flashpatch.kernels.common import head_and_block
 from flashpatch.kernels.config import head_group
 from flashpatch.kernels.hopper_common import (
-    AVAILABLE, alibi_batch_stride, descriptor, fp32_descriptor, sm90_dense_ok, tma_load, vector_descriptor)
+    AVAILABLE, alibi_batch_stride, descriptor, sm90_dense_ok, tma_load, vector_descriptor)
 
 if AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+        fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
-    from flashpatch.kernels.hopper_common import tma_reduce_add
     from flashpatch.kernels.hopper_fwd import alibi_bias, head_slope_log2
 
 BLOCK_M = {64: 64, 128: 64}  # queries per step, by head dim
@@ -111,11 +110,9 @@ if AVAILABLE:
     def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, ALIBI_SLOPES,
               alibi_base, offs_m, offs_n, key0, shift, qk_scale, zero_s, a_layout: gl.constexpr,
               row_layout: gl.constexpr, MASK: gl.constexpr, HALF_N: gl.constexpr, STAGES: gl.constexpr,
-              ALIBI: gl.constexpr, LSE_FIRST: gl.constexpr, dq_parts, acc_layout: gl.constexpr, WG: gl.constexpr,
-              FUSED_DQ: gl.constexpr):
+              ALIBI: gl.constexpr, LSE_FIRST: gl.constexpr):
         """Step i of a consumer: query block m0 of GQA head g into dK and dV. MASK: 0 none, 1 the causal mask, 2
-        the causal mask where the step crosses the diagonal (a branch per step). FUSED_DQ: dQ's share of the step
-        too (`_fused_dq`; dq_parts its buffers, else unused)."""
+        the causal mask where the step crosses the diagonal (a branch per step)."""
         dtype: gl.constexpr = q_bufs.dtype
         s = i % STAGES
         alibi_log2 = head_slope_log2(ALIBI_SLOPES, alibi_base + g, ALIBI)  # the step's query head's slope
@@ -146,63 +143,9 @@ if AVAILABLE:
             delta = delta_bufs.index(s).load(row_layout)
         dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
         ds_t = p_t * (dp_t - delta[None, :])
-        if FUSED_DQ:
-            ds_bf = ds_t.to(dtype)
-            dk = warpgroup_mma(gl.convert_layout(ds_bf, a_layout), q_s, dk, is_async=True)
-            dk, dv = _fused_dq(i, g, m0, ds_bf, dk, dv, k_s, dq_parts, acc_layout, WG)
-        else:
-            dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_s, dk, is_async=True)
-            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))  # not carried into the next step: see the docstring
+        dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_s, dk, is_async=True)
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))  # not carried into the next step: see the docstring
         return warpgroup_mma_init(dk), warpgroup_mma_init(dv)
-
-    @gluon.jit
-    def _fused_dq(i, g, m0, ds_bf, dk, dv, k_s, dq_parts, acc_layout: gl.constexpr, WG: gl.constexpr):
-        """dQ's share of step i, with the step's dK and dV matmuls in flight; returns them waited for. The step's
-        query block takes dS K over the program's 128 keys, 64 from each consumer: consumer 0 leaves its (BM, D)
-        fp32 partial in a two-slot shared ring, consumer 1 starts its own matmul from it and adds the sum into the
-        fp32 dQ in global memory (relaxed atomics). Only consumer 1 waits for the other, so the two need not run in
-        step (a rendezvous each step did: NOTES.md v20)."""
-        ds_bufs, dq_bufs, dq_full, dq_empty, dq_desc, dq_row, dq_row_per_head, dq_col, dq_col_per_head, \
-            softmax_scale = dq_parts
-        BLOCK_M: gl.constexpr = ds_bufs.shape[1]
-        HEADDIM: gl.constexpr = dq_bufs.shape[2]
-        ds_s = ds_bufs.index(WG)  # (BM, HALF_N): dS, queries by the consumer's keys
-        ds_s.store(gl.permute(ds_bf, (1, 0)))
-        fence_async_shared()
-        slot = i % 2
-        phase = (i // 2) & 1
-        # dK and dV done first: with them and their register operands in flight beside dQ's accumulator, ptxas
-        # serialized the matmuls (C7512) and spilled
-        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-        if WG == 0:
-            zero_dq = gl.zeros([BLOCK_M, HEADDIM], gl.float32, acc_layout)
-            dq = warpgroup_mma(ds_s, k_s, zero_dq, use_acc=False, is_async=True)  # (BM, D)
-        else:
-            mbarrier.wait(dq_full.index(slot), phase)
-            part = dq_bufs.index(slot).load(acc_layout)
-            dq = warpgroup_mma(ds_s, k_s, part, is_async=True)
-        dq = warpgroup_mma_wait(0, deps=(dq, ))
-        if WG == 0:
-            # a fresh mbarrier counts as having completed the phase before 0, so the first lap does not wait
-            mbarrier.wait(dq_empty.index(slot), phase ^ 1)
-            dq_bufs.index(slot).store(dq)
-            gl.thread_barrier()  # every thread's write done before consumer 1 is told
-            mbarrier.arrive(dq_full.index(slot))
-        else:
-            # the sum goes back into the slot it came from and from there, by a TMA reduce-add, into dQ; the slot is
-            # handed back once that reduce has read it, which the next step's store_wait(1) sees
-            dq_s = dq_bufs.index(slot)
-            dq_s.store(dq * softmax_scale)
-            fence_async_shared()
-            gl.thread_barrier()  # every thread's write done before the reduce is issued
-            # in 128-byte column chunks, the TMA box of a 128-byte swizzle (the lowering splits copies, not reduces)
-            CHUNK: gl.constexpr = dq_desc.block_type.shape[1]
-            for c in gl.static_range(HEADDIM // CHUNK):
-                tma_reduce_add(dq_desc, [dq_row + g * dq_row_per_head + m0, dq_col + g * dq_col_per_head + c * CHUNK],
-                               dq_s.slice(c * CHUNK, CHUNK, dim=1))
-            tma.store_wait(HEADDIM // CHUNK)  # this step's reduces may run on, the step before's have read
-            mbarrier.arrive(dq_empty.index((i + 1) % 2), pred=i > 0)
-        return dk, dv
 
     @gluon.jit
     def _consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
@@ -210,7 +153,7 @@ if AVAILABLE:
                   alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale,
                   WG: gl.constexpr, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   HALF_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr,
-                  LSE_FIRST: gl.constexpr, dq_parts, FUSED_DQ: gl.constexpr):
+                  LSE_FIRST: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])  # (keys, queries)
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -245,14 +188,12 @@ if AVAILABLE:
                 for j in range(n_diag):
                     dk, dv = _step(i, g, m_lo + j * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs,
                                    ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, qk_scale,
-                                   zero_s, a_layout, row_layout, 1, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, acc_layout, WG,
-                                   FUSED_DQ)
+                                   zero_s, a_layout, row_layout, 1, HALF_N, STAGES, ALIBI, LSE_FIRST)
                     i += 1
                 for j in range(n_diag, n_mblocks):
                     dk, dv = _step(i, g, m_lo + j * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs,
                                    ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, qk_scale,
-                                   zero_s, a_layout, row_layout, 0, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, acc_layout, WG,
-                                   FUSED_DQ)
+                                   zero_s, a_layout, row_layout, 0, HALF_N, STAGES, ALIBI, LSE_FIRST)
                     i += 1
         else:
             g = 0
@@ -260,12 +201,9 @@ if AVAILABLE:
             for i in range(total):
                 dk, dv = _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty,
                                ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, qk_scale, zero_s, a_layout,
-                               row_layout, 2 if CAUSAL else 0, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, acc_layout, WG,
-                               FUSED_DQ)
+                               row_layout, 2 if CAUSAL else 0, HALF_N, STAGES, ALIBI, LSE_FIRST)
                 g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-        if FUSED_DQ:
-            tma.store_wait(0)  # the last dQ reduce has read its slot before the program's shared memory goes
 
         dtype: gl.constexpr = q_bufs.dtype
         offs_key = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, acc_layout))
@@ -275,13 +213,13 @@ if AVAILABLE:
 
     @gluon.jit
     def attn_bwd_dkdv_hopper_kernel(
-        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, DK, DV, ALIBI_SLOPES,
-        q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, dq_rows, dq_cols,  # see rows_view
+        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, DK, DV, ALIBI_SLOPES,
+        q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
         stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lse_b, stride_lse_h,
         stride_alibi_b, nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
         STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr,
-        LSE_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr, FUSED_DQ: gl.constexpr,
+        LSE_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     ):
         BLOCK_N: gl.constexpr = 2 * HALF_N
         num_n = gl.cdiv(seqlen_k, BLOCK_N)
@@ -312,20 +250,6 @@ if AVAILABLE:
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
         mbarrier.init(kv_bar, count=1)
-        if FUSED_DQ:  # `_fused_dq`'s buffers: each consumer's dS tile, a two-slot ring of consumer 0's dQ partials
-            ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HALF_N],
-                                                gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_N], q_desc.dtype))
-            dq_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEADDIM],
-                                                gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEADDIM], gl.float32))
-            dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            for s in gl.static_range(2):
-                mbarrier.init(dq_full.index(s), count=1)
-                mbarrier.init(dq_empty.index(s), count=1)
-            dq_parts = (ds_bufs, dq_bufs, dq_full, dq_empty, dq_desc, off_b * dq_rows[0] + off_h0 * dq_rows[1],
-                        dq_rows[1], off_h0 * dq_cols, dq_cols, softmax_scale)
-        else:
-            dq_parts = 0
         fence_async_shared()
 
         lse_base = off_b * stride_lse_b + off_h0 * stride_lse_h
@@ -336,13 +260,11 @@ if AVAILABLE:
             (_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
                          DK, DV, ALIBI_SLOPES, dk_base, stride_dks, dv_base, stride_dvs,
                          alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale,
-                         0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, dq_parts,
-                         FUSED_DQ)),
+                         0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST)),
             (_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
                          DK, DV, ALIBI_SLOPES, dk_base, stride_dks, dv_base, stride_dvs,
                          alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale,
-                         1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, dq_parts,
-                         FUSED_DQ)),
+                         1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
                          delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
                          off_b * q_rows[0] + off_h0 * q_rows[1], q_rows[1], off_h0 * q_cols, q_cols,
@@ -397,18 +319,11 @@ def consumer_registers(headdim: int) -> int:
     return 240 if headdim > 64 else 232
 
 
-def fuses_dq(headdim: int) -> bool:
-    """Whether the kernel can add dQ into an fp32 buffer itself (`_fused_dq`): head dim 128, where K is read from
-    shared memory (at 64 it is held in registers, `register_kv`)."""
-    return not register_kv(headdim)
-
-
 def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_scale: float, causal: bool,
-                  alibi_slopes=None, dq_accum=None) -> None:
+                  alibi_slopes=None) -> None:
     """dK, dV (written into dk, dv) for a call `supported` accepted. q, dout: (B, Sq, H, D); k, v: (B, Sk, Hk, D);
     lse, delta: (B, H, Sq) fp32 (natural-log LSE); qk_scale = softmax_scale * log2(e); alibi_slopes: None or
-    float32 (H,) / (B, H). dq_accum: None, or a zeroed fp32 (B, Sq, H, D) that dQ is added into (where `fuses_dq`;
-    not deterministic: atomics)."""
+    float32 (H,) / (B, H)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     block_m = BLOCK_M[headdim]
@@ -419,14 +334,10 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     # the kernel addresses both by the LSE's strides: delta is made by empty_like(lse) (ops.attn_bwd_impl)
     assert delta.stride() == lse.stride() and lse.stride(-1) == 1, (lse.stride(), delta.stride())
     lse_desc, delta_desc = vector_descriptor(lse, block_m), vector_descriptor(delta, block_m)
-    fused = dq_accum is not None
-    if fused and not fuses_dq(headdim):
-        raise ValueError(f"the Gluon dK/dV adds dQ itself only where fuses_dq (head dim 128), not at {headdim}")
-    dq_desc, dq_rows, dq_cols = fp32_descriptor(dq_accum, block_m) if fused else (None, (0, 0), 0)
     grid = (batch * nheads_k * triton.cdiv(seqlen_k, BLOCK_N),)
     attn_bwd_dkdv_hopper_kernel[grid](
-        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, dk, dv, alibi_slopes,
-        q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, dq_rows, dq_cols,
+        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk, dv, alibi_slopes,
+        q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
         nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale,
@@ -434,5 +345,5 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
         HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_k, BLOCK_N), q.device), ALIBI=alibi_slopes is not None,
         REG_KV=register_kv(headdim) if REGISTER_KV is None else REGISTER_KV, LSE_FIRST=lse_first(headdim),
         CONSUMER_REGS=consumer_registers(headdim) if CONSUMER_REGISTERS is None else CONSUMER_REGISTERS,
-        FUSED_DQ=fused, num_warps=4, maxnreg=MAXNREG,
+        num_warps=4, maxnreg=MAXNREG,
     )
