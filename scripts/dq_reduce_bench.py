@@ -33,7 +33,7 @@ SHAPES = {  # name: (batch, seqlen, heads, head dim, causal)
     "1b": (8, 1024, 16, 128, True),  # the 1B recipe's attention (its 16 query heads; GQA does not change dQ's size)
 }
 BLOCK_M = 64  # query rows per partial (the dK/dV kernel's step at d128)
-DEVICE = "cuda"
+DEVICE = "cuda"  # "cpu" runs the atomic and store modes under TRITON_INTERPRET=1 (the interpreter has no TMA reduce)
 
 
 @triton.jit

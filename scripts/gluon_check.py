@@ -16,9 +16,9 @@ hopper_fwd.CONSUMERS_BY_HEADDIM), "+serial" (dQ after dK/dV, not beside it: each
 Gluon dQ under the "default" base). Its measured losers, removed since: "+rq" (the forward's Q, and "+rqdo" the dQ
 kernel's Q and dO, held in registers as matmul operands), "+rk" (K alone), "+c3dk" and "+c3dq" (three consumer
 warpgroups in the d64 dK/dV and dQ: NOTES.md v37, v38), "+ahN" (the dK/dV step's LSE read a step ahead, v45),
-"+adq" (atomic dQ fused into the d128 Gluon dK/dV, v46).
-The base "default" runs each kernel that config chooses (no override). --check-extras applies such extras (e.g. "nofold+norkv") to the float64 check. Round 17's logs
-also name variants since removed: "carry" (dK/dV left in flight into the next step) and "fwdskew" (the forward's
+"+adq" (atomic dQ fused into the d128 Gluon dK/dV, v46). The base "default" runs each kernel that config chooses (no
+override). --check-extras applies such extras (e.g. "nofold+norkv") to the float64 check. Round 17's logs also name
+variants since removed: "carry" (dK/dV left in flight into the next step) and "fwdskew" (the forward's
 intra-warpgroup skew), NOTES.md v19.
 """
 

@@ -301,10 +301,10 @@ def register_kv(headdim: int) -> bool:
 def lse_first(headdim: int) -> bool:
     """Whether `_step` reads its LSE values before issuing the step's two matmuls and its delta values only after
     issuing dV's, rather than both right after the two matmuls. At head dim 128 a consumer's 232 registers (248 for
-    the default partition's, before v44's 240 each) hold dK and dV (128) besides Sᵀ and dPᵀ (64), and LSE and delta live side by side (32
-    more) made ptxas spill 36 B a thread (96 B under the causal mask, loop counters among them); the waits on those
-    values' shared-memory reads, queued behind the matmuls' issue, and on the spills' reloads were 10-15% of Nsight
-    Compute's stall samples (NOTES.md v43). Read apart, the spills drop to 12 B (32 B causal) and d128 dK/dV takes
+    the default partition's; 240 each since v44) hold dK and dV (128) besides Sᵀ and dPᵀ (64), and LSE and delta
+    live side by side (32 more) made ptxas spill 36 B a thread (96 B under the causal mask, loop counters among
+    them); the waits on those values' shared-memory reads, queued behind the matmuls' issue, and on the spills'
+    reloads were 10-15% of Nsight Compute's stall samples (NOTES.md v43). Read apart, the spills drop to 12 B (32 B causal) and d128 dK/dV takes
     4-14% less time (H200: n8192 3.54 -> 3.14 ms, causal 1.68 -> 1.61, the 1B shape 0.149 -> 0.134). At head dim 64
     nothing spills, and the early read only delays the matmuls' issue: unmasked n8192 3.84 -> 4.17 ms."""
     return headdim > 64
