@@ -304,9 +304,10 @@ def lse_first(headdim: int) -> bool:
     the default partition's; 240 each since v44) hold dK and dV (128) besides Sᵀ and dPᵀ (64), and LSE and delta
     live side by side (32 more) made ptxas spill 36 B a thread (96 B under the causal mask, loop counters among
     them); the waits on those values' shared-memory reads, queued behind the matmuls' issue, and on the spills'
-    reloads were 10-15% of Nsight Compute's stall samples (NOTES.md v43). Read apart, the spills drop to 12 B (32 B causal) and d128 dK/dV takes
-    4-14% less time (H200: n8192 3.54 -> 3.14 ms, causal 1.68 -> 1.61, the 1B shape 0.149 -> 0.134). At head dim 64
-    nothing spills, and the early read only delays the matmuls' issue: unmasked n8192 3.84 -> 4.17 ms."""
+    reloads were 10-15% of Nsight Compute's stall samples (NOTES.md v43). Read apart, the spills drop to 12 B (32 B
+    causal) and d128 dK/dV takes 4-14% less time (H200: n8192 3.54 -> 3.14 ms, causal 1.68 -> 1.61, the 1B shape
+    0.149 -> 0.134). At head dim 64 nothing spills, and the early read only delays the matmuls' issue: unmasked n8192
+    3.84 -> 4.17 ms."""
     return headdim > 64
 
 
