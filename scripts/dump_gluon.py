@@ -56,7 +56,8 @@ def main():
                  "lse_desc": vec, "delta_desc": vec}
         consts = dict(CAUSAL=args.causal, HEADDIM=d, BLOCK_M=bm, HALF_N=hk.HALF_N, STAGES=args.stages or hk.STAGES,
                       HEAD_GROUP=args.head_group, REG_KV=hk.register_kv(d), LSE_FIRST=hk.lse_first(d),
-                      CONSUMER_REGS=hk.consumer_registers(d))
+                      CONSUMER_REGS=hk.consumer_registers(d),
+                      PRODUCER_REGS=hk.PRODUCER_REGISTERS)
     elif args.kernel == "dq":
         fn, maxnreg = hq.attn_bwd_dq_hopper_kernel, hq.MAXNREG
         bn = args.block_n or hq.BLOCK_N

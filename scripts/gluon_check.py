@@ -91,12 +91,17 @@ def grads(q, k, v, dout, causal, gluon, gluon_fwd=False, gluon_dq=False, dropout
         return torch.autograd.grad(out, (q, k, v), dout)
 
 
+def numbered_extra(extras, prefix: str):
+    """N of a "+<prefix>N" extra (e.g. "g4", "wr240"), or None."""
+    values = [int(e[len(prefix):]) for e in extras if e.startswith(prefix) and e[len(prefix):].isdigit()]
+    return values[0] if values else None
+
+
 def apply_round28_extras(extras) -> dict:
     """Round 28's kernel flags from a variant's extras (module docstring): sets the module-level ones and returns the
     KernelConfigs fields for kc.override."""
     hk.REGISTER_KV = True if "rkv" in extras else False if "norkv" in extras else None
-    worker_regs = [int(e[2:]) for e in extras if e.startswith("wr") and e[2:].isdigit()]
-    hk.CONSUMER_REGISTERS = worker_regs[0] if worker_regs else None
+    hk.CONSUMER_REGISTERS = numbered_extra(extras, "wr")
     hf.CONSUMERS_BY_HEADDIM[64] = 3 if "c3" in extras else 2 if "c2" in extras else CONSUMERS_D64
     fields = {"fold_scale": e == "fold" for e in extras if e in ("fold", "nofold")}
     if "serial" in extras:  # dQ after dK/dV, so each kernel's time is its own
@@ -193,8 +198,8 @@ def timing(shapes, variants):
             gluon, hk.STAGES, order = VARIANTS[base]
             fields = apply_round28_extras(extras)
             hk.BLOCK_M[64] = 128 if "m128" in extras else 64  # +m128: 128-query steps in the d64 Gluon dK/dV
-            groups = [int(e[1:]) for e in extras if e[:1] == "g" and e[1:].isdigit()]
-            kc.HEAD_GROUP_OVERRIDE = groups[0] if groups else order
+            group = numbered_extra(extras, "g")
+            kc.HEAD_GROUP_OVERRIDE = order if group is None else group
 
             def step():
                 grads(q, k, v, dout, causal, gluon, gluon_fwd, gluon_dq, *dropout)

@@ -303,8 +303,8 @@ def test_gluon_dkdv_register_split_is_one_setmaxnreg_can_take(headdim):
     from flashpatch.kernels import hopper_dkdv
 
     worker = hopper_dkdv.consumer_registers(headdim)
-    default = 3 * hopper_dkdv.MAXNREG - worker - 24
-    for count in (worker, default):
+    default = hopper_dkdv.default_consumer_registers(worker)
+    for count in (worker, default, hopper_dkdv.PRODUCER_REGISTERS):
         assert 24 <= count <= 256 and count % 8 == 0, (headdim, worker, default)
 
 

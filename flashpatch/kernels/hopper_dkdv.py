@@ -53,6 +53,7 @@ HALF_N = 64  # keys per consumer warpgroup
 BLOCK_N = 2 * HALF_N  # keys per program
 STAGES = 2  # Q/dO ring depth (3 within noise: scripts/gluon_check.py)
 MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
+PRODUCER_REGISTERS = 24  # the producer warp's setmaxnreg count (its warpgroup's; the least setmaxnreg takes)
 # K and V held in registers as the A operands of K Qᵀ and V dOᵀ (`_consumer`): None follows `register_kv`; True /
 # False force it (scripts/gluon_check.py "+rkv" / "+norkv").
 REGISTER_KV: bool | None = None
@@ -219,7 +220,7 @@ if AVAILABLE:
         stride_alibi_b, nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
         STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr,
-        LSE_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        LSE_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
         BLOCK_N: gl.constexpr = 2 * HALF_N
         num_n = gl.cdiv(seqlen_k, BLOCK_N)
@@ -272,7 +273,7 @@ if AVAILABLE:
                          off_b * k_rows[0] + off_hk * k_rows[1] + n0, off_hk * k_cols,
                          off_b * v_rows[0] + off_hk * v_rows[1] + n0, off_hk * v_cols, lse_base, stride_lse_h,
                          m_lo, m_end, total, BLOCK_M, STAGES)),
-        ], [4, 1], [CONSUMER_REGS, 24])
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, varlen: bool,
@@ -313,11 +314,17 @@ def lse_first(headdim: int) -> bool:
 
 def consumer_registers(headdim: int) -> int:
     """The registers a thread that setmaxnreg gives the worker consumer warpgroup; the default partition's consumer
-    gets what the producer warp (24) and this one leave of the 168 x 12 warps the kernel is launched with: at 240
-    both consumers hold 240. At head dim 128 that took ptxas's spills from 12 B to 0 (32 to 16 B causal) against
+    gets what the producer warp (PRODUCER_REGISTERS) and this one leave of the MAXNREG x 12 warps the kernel is
+    launched with (`default_consumer_registers`): at 240 both consumers hold 240. At head dim 128 that took ptxas's spills from 12 B to 0 (32 to 16 B causal) against
     232 / 248, with GPU kernel time within 2% (H100: the 1B shape 0.134 -> 0.131 ms, GQA n2048 0.420 -> 0.427;
     NOTES.md v44); head dim 64 spills nothing either way and keeps 232."""
     return 240 if headdim > 64 else 232
+
+
+def default_consumer_registers(worker_registers: int) -> int:
+    """The default partition's consumer's registers a thread: its warpgroup's share of the three warpgroups'
+    MAXNREG each, less the worker consumer's and the producer's."""
+    return 3 * MAXNREG - worker_registers - PRODUCER_REGISTERS
 
 
 def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_scale: float, causal: bool,
@@ -346,5 +353,5 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
         HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_k, BLOCK_N), q.device), ALIBI=alibi_slopes is not None,
         REG_KV=register_kv(headdim) if REGISTER_KV is None else REGISTER_KV, LSE_FIRST=lse_first(headdim),
         CONSUMER_REGS=consumer_registers(headdim) if CONSUMER_REGISTERS is None else CONSUMER_REGISTERS,
-        num_warps=4, maxnreg=MAXNREG,
+        PRODUCER_REGS=PRODUCER_REGISTERS, num_warps=4, maxnreg=MAXNREG,
     )
