@@ -315,9 +315,10 @@ def lse_first(headdim: int) -> bool:
 def consumer_registers(headdim: int) -> int:
     """The registers a thread that setmaxnreg gives the worker consumer warpgroup; the default partition's consumer
     gets what the producer warp (PRODUCER_REGISTERS) and this one leave of the MAXNREG x 12 warps the kernel is
-    launched with (`default_consumer_registers`): at 240 both consumers hold 240. At head dim 128 that took ptxas's spills from 12 B to 0 (32 to 16 B causal) against
-    232 / 248, with GPU kernel time within 2% (H100: the 1B shape 0.134 -> 0.131 ms, GQA n2048 0.420 -> 0.427;
-    NOTES.md v44); head dim 64 spills nothing either way and keeps 232."""
+    launched with (`default_consumer_registers`): at 240 both consumers hold 240. At head dim 128 that took ptxas's
+    spills from 12 B to 0 (32 to 16 B causal) against 232 / 248, with GPU kernel time within 2% (H100: the 1B shape
+    0.134 -> 0.131 ms, GQA n2048 0.420 -> 0.427; NOTES.md v44); head dim 64 spills nothing either way and keeps
+    232."""
     return 240 if headdim > 64 else 232
 
 
