@@ -223,9 +223,23 @@ def _launch_configs(q: torch.Tensor, k: torch.Tensor, varlen: bool, max_seqlen_q
                     window_left: int, window_right: int, dropout_p: float) -> kernel_config.KernelConfigs:
     """config.py's launch settings for one call, forward or backward: the same inputs pick the same settings."""
     headdim = q.shape[-1]
+    long_keys = _mean_keys_seen(max_seqlen_q, max_seqlen_k, window_left, window_right) >= kernel_config.LONG_KEYS
     return kernel_config.configs_for(headdim, q.is_cuda, window_left >= 0 or window_right >= 0, dropout_p > 0,
                                      _aligned(varlen, headdim, max_seqlen_q, max_seqlen_k),
-                                     max_seqlen_q <= kernel_config.SHORT, q.shape[-2] != k.shape[-2])
+                                     max_seqlen_q <= kernel_config.SHORT, q.shape[-2] != k.shape[-2], long_keys)
+
+
+def _mean_keys_seen(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int) -> float:
+    """Keys a query attends to, averaged over the queries: all seqlen_k without a mask; under the bottom-right causal
+    mask query i sees i + 1 + seqlen_k - seqlen_q of them, none where that is below 1. Sliding windows count as 0:
+    what reads this (config's `long_keys`) applies to none of them."""
+    if window_left < 0 and window_right < 0:
+        return float(seqlen_k)
+    if window_left < 0 and window_right == 0:
+        if seqlen_q <= seqlen_k:
+            return seqlen_k - (seqlen_q - 1) / 2
+        return seqlen_k * (seqlen_k + 1) / (2 * seqlen_q)
+    return 0.0
 
 
 def _on_input_device(fn):
@@ -369,18 +383,21 @@ def attn_bwd_impl(
         HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=pre.block_m, IS_VARLEN=varlen,
     )
 
-    atomic_dq = cfgs.atomic_dq and not deterministic
-    # fp32 accumulator for atomic dQ; otherwise dQ gets its own pass and the pointer is unused.
-    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else dq
     # The Gluon Hopper kernels take the calls in their scope (hopper_common.sm90_dense_ok), the Triton ones the rest
     gluon_scope = dict(varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
                        window_right=window_right, softcap=softcap, dropout_p=dropout_p)
+    gluon_dkdv = cfgs.gluon_dkdv and hopper_dkdv.supported(q, k, v, dout, **gluon_scope)
+    fused_dq = not deterministic and cfgs.fused_dq and gluon_dkdv and hopper_dkdv.fuses_dq(headdim)
+    atomic_dq = (cfgs.atomic_dq and not deterministic) or fused_dq
+    # fp32 accumulator for atomic dQ; otherwise dQ gets its own pass and the pointer is unused.
+    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else dq
     causal = window_right == 0
 
     def launch_dkdv():
-        if cfgs.gluon_dkdv and not atomic_dq and hopper_dkdv.supported(q, k, v, dout, **gluon_scope):
+        # with atomic dQ, the Gluon dK/dV only where it adds dQ itself (hopper_dkdv.fuses_dq)
+        if gluon_dkdv and (not atomic_dq or hopper_dkdv.fuses_dq(headdim)):
             hopper_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal,
-                                      alibi_slopes)
+                                      alibi_slopes, dq_accum=dq_accum if atomic_dq else None)
         else:
             c = cfgs.bwd_dkdv
             tma_dkdv = c.tma and tma_usable(headdim, q, k, v, dout, dq_accum, dk, dv)

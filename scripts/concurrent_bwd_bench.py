@@ -1,6 +1,7 @@
 """GPU time of one backward (attn_bwd_impl: preprocess, dK/dV, dQ) with dK/dV and dQ in turn on one stream or side by
-side on two (KernelConfigs.concurrent_dq), with the Gluon dQ's grid persistent or per block, and with the Gluon dQ
-or dK/dV where config keeps the Triton one. GPU only.
+side on two (KernelConfigs.concurrent_dq) or with dQ added by the Gluon dK/dV itself (KernelConfigs.fused_dq), with
+the Gluon dQ's grid persistent or per block, and with the Gluon dQ or dK/dV where config keeps the Triton one. GPU
+only.
 
 The backwards are queued behind a GPU sleep long enough for the host to queue them all, so CUDA events around
 them time the GPU alone: at the 1B recipe's shape a backward costs the host more than the GPU (NOTES.md v21), and
@@ -26,6 +27,14 @@ SHAPES = {  # name: (batch, seqlen, heads, kv heads, head dim, causal[, dropout 
     "g2k": (8, 2048, 16, 4, 128, True),
     "c4k": (4, 4096, 16, 16, 128, True),
     "f4k": (4, 4096, 16, 16, 128, False),
+    "c8k": (2, 8192, 16, 16, 128, True),
+    "f8k": (2, 8192, 16, 16, 128, False),
+    "c16k": (1, 16384, 16, 16, 128, True),
+    "f16k": (1, 16384, 16, 16, 128, False),
+    "c2k": (8, 2048, 16, 16, 128, True),
+    "f2k": (8, 2048, 16, 16, 128, False),
+    "g8k": (2, 8192, 16, 4, 128, True),
+    "gf4k": (4, 4096, 16, 4, 128, False),
     "d64c1k": (16, 1024, 32, 8, 64, True),
     "d64f1k": (16, 1024, 32, 8, 64, False),
     "d64c2k": (8, 2048, 12, 4, 64, True),  # configs/llama_125m.yaml's attention
@@ -35,12 +44,17 @@ SHAPES = {  # name: (batch, seqlen, heads, kv heads, head dim, causal[, dropout 
     "dropc2k": (8, 2048, 16, 16, 128, True, 0.1),  # no GQA: atomic dQ inside dK/dV, so nothing to overlap
     "varlen": (0, 4096, 16, 16, 128, True),  # bench_attention.py's mix: 73 documents of 64..4096, 64k tokens
 }
-VARIANTS = {  # name: (concurrent_dq, hopper_dq.PERSISTENT, other KernelConfigs fields)
-    "serial": (False, None, {}),
-    "concurrent": (True, None, {}),
-    "concurrent+perblock_dq": (True, False, {}),
-    "concurrent+gluon_dq": (True, None, {"gluon_dq": True}),  # the Gluon dQ where config keeps the Triton one (d64)
-    "concurrent+gluon_dkdv": (True, None, {"gluon_dkdv": True}),  # the Gluon dK/dV where config keeps the Triton one
+VARIANTS = {  # name: (concurrent_dq, hopper_dq.PERSISTENT, other KernelConfigs fields); all but "default" and
+    # "fused_dq" keep the separate dQ pass where config would fuse it (long rows at head dim 128)
+    "default": (True, None, {}),
+    "serial": (False, None, {"fused_dq": False}),
+    "concurrent": (True, None, {"fused_dq": False}),
+    "concurrent+perblock_dq": (True, False, {"fused_dq": False}),
+    # the Gluon dQ where config keeps the Triton one (d64)
+    "concurrent+gluon_dq": (True, None, {"gluon_dq": True, "fused_dq": False}),
+    # the Gluon dK/dV where config keeps the Triton one
+    "concurrent+gluon_dkdv": (True, None, {"gluon_dkdv": True, "fused_dq": False}),
+    "fused_dq": (False, None, {"fused_dq": True}),  # d128: dQ added by the Gluon dK/dV itself (hopper_dkdv.fuses_dq)
 }
 
 

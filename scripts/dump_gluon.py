@@ -57,7 +57,7 @@ def main():
         consts = dict(CAUSAL=args.causal, HEADDIM=d, BLOCK_M=bm, HALF_N=hk.HALF_N, STAGES=args.stages or hk.STAGES,
                       HEAD_GROUP=args.head_group, REG_KV=hk.register_kv(d), LSE_FIRST=hk.lse_first(d),
                       CONSUMER_REGS=hk.consumer_registers(d),
-                      PRODUCER_REGS=hk.PRODUCER_REGISTERS)
+                      PRODUCER_REGS=hk.PRODUCER_REGISTERS, FUSED_DQ=False)
     elif args.kernel == "dq":
         fn, maxnreg = hq.attn_bwd_dq_hopper_kernel, hq.MAXNREG
         bn = args.block_n or hq.BLOCK_N
@@ -82,12 +82,17 @@ def main():
         raise ValueError(f"--set names no constexpr of this kernel: {sorted(flags)}")
     if not args.alibi:
         consts.update(ALIBI_SLOPES=None)  # what the JIT makes of a None argument
+    if args.kernel == "dkdv" and not consts.get("FUSED_DQ"):
+        consts.update(dq_desc=None)  # no dQ buffer: the dK/dV kernel alone
     sig = {}
     for name in fn.arg_names:
         if name in consts:
             sig[name] = "constexpr"
         elif name in descs:
             sig[name] = descs[name]
+        elif name == "dq_desc":
+            sig[name] = (f"tensordesc<fp32[{bm}, 32],"
+                         f"{gl.NVMMASharedLayout.get_default_for([bm, 32], gl.float32)!r}>")
         elif name in ("LSE", "DELTA", "ALIBI_SLOPES"):
             sig[name] = "*fp32"
         elif name in ("DK", "DV", "O", "DQ"):

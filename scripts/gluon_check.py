@@ -12,8 +12,9 @@ group; a persistent grid orders causal blocks its own way), and round 28's regis
 "+fold" / "+nofold" (config.KernelConfigs.fold_scale), "+rkv" / "+norkv" (hopper_dkdv.REGISTER_KV forced on or
 off), "+wrN" (the dK/dV worker consumer's setmaxnreg count, hopper_dkdv.CONSUMER_REGISTERS, e.g. "+wr240"),
 "+c3" / "+c2" (the d64 Gluon forward with three or two consumer warpgroups,
-hopper_fwd.CONSUMERS_BY_HEADDIM), "+serial" (dQ after dK/dV, not beside it: each kernel's own time) and "+gdq" (the
-Gluon dQ under the "default" base). Its measured losers, removed since: "+rq" (the forward's Q, and "+rqdo" the dQ
+hopper_fwd.CONSUMERS_BY_HEADDIM), "+serial" (dQ after dK/dV, not beside it: each kernel's own time), "+gdq" (the
+Gluon dQ under the "default" base) and "+fdq" / "+nofdq" (dQ added by the d128 Gluon dK/dV itself or by the separate
+pass, config.KernelConfigs.fused_dq; its backward column counts the fp32 buffer's zeroing and conversion). Its measured losers, removed since: "+rq" (the forward's Q, and "+rqdo" the dQ
 kernel's Q and dO, held in registers as matmul operands), "+rk" (K alone), "+c3dk" and "+c3dq" (three consumer
 warpgroups in the d64 dK/dV and dQ: NOTES.md v37, v38), "+ahN" (the dK/dV step's LSE read a step ahead, v45),
 "+adq" (atomic dQ fused into the d128 Gluon dK/dV, v46). The base "default" runs each kernel that config chooses (no
@@ -108,6 +109,8 @@ def apply_round28_extras(extras) -> dict:
         fields["concurrent_dq"] = False
     if "gdq" in extras:  # the Gluon dQ under the "default" base
         fields["gluon_dq"] = True
+    if "fdq" in extras or "nofdq" in extras:  # dQ inside the d128 Gluon dK/dV (hopper_dkdv.fuses_dq) or not
+        fields["fused_dq"] = "fdq" in extras
     return fields
 
 
@@ -212,6 +215,8 @@ def timing(shapes, variants):
             dkdv = sum(t for key, t in times.items() if "dkdv" in key)
             dq_time = sum(t for key, t in times.items() if "_dq_" in key)
             bwd = sum(t for key, t in times.items() if key.startswith("attn_bwd"))
+            if dq_time == 0:  # dQ fused into dK/dV: the fp32 buffer's zeroing and conversion are part of the backward
+                bwd += sum(t for key, t in times.items() if not key.startswith("attn_"))
             fwd = sum(t for key, t in times.items() if key.startswith("attn_fwd"))
             print(f"| {shape} | {name} | {fwd:.3f} | {flops / 2.5 / fwd * 1e-9:.0f} | {dkdv:.3f} | {dq_time:.3f} | "
                   f"{bwd:.3f} | {flops / bwd * 1e-9:.0f} |", flush=True)

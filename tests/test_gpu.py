@@ -247,6 +247,66 @@ def test_gluon_dkdv_kv_forms_match_triton_bitwise_bf16(case, register_kv, monkey
     check_against_reference(out, grads[True], q, k, v, dout, causal=causal)
 
 
+def _spy_fused_dq(monkeypatch) -> list:
+    """Whether each Gluon dK/dV launch was handed an fp32 dQ buffer to add into (the fused dQ)."""
+    fused = []
+    launch = hopper_dkdv.attn_bwd_dkdv
+    monkeypatch.setattr(hopper_dkdv, "attn_bwd_dkdv", lambda *a, **kw: fused.append(kw.get("dq_accum") is not None)
+                        or launch(*a, **kw))
+    return fused
+
+
+@needs_gluon
+@pytest.mark.parametrize("case", [
+    (2, 256, 256, 4, 4, 128, True, "bshd"),
+    (2, 256, 256, 4, 4, 128, False, "bhsd"),
+    (1, 512, 512, 8, 2, 128, True, "bshd"),  # GQA: the steps wrap to the group's next query head
+    (3, 128, 128, 3, 1, 128, False, "bshd"),  # MQA, one key block, odd batch and head counts
+    (2, 384, 128, 4, 1, 128, True, "bshd"),  # Sq > Sk: the first 256 queries see no key
+    (1, 640, 1152, 4, 2, 128, False, "bshd"),  # Sq < Sk
+    (1, 640, 1152, 4, 2, 128, True, "bshd"),
+], ids=_gluon_id)
+def test_gluon_dkdv_fused_dq_matches_float64_bf16(case, monkeypatch):
+    # The Gluon dK/dV adds dQ into the fp32 buffer itself (hopper_dkdv._fused_dq, _dq_reducer: dS split along D
+    # between the consumers, each step's partial TMA-reduced by a warp of its own), forced on at short rows.
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order = case
+    torch.manual_seed(0)
+
+    def tensor(seqlen, heads):
+        if order == "bhsd":
+            return torch.randn(batch, heads, seqlen, headdim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        return torch.randn(batch, seqlen, heads, headdim, device="cuda", dtype=torch.bfloat16)
+
+    q, k, v = (tensor(n, h).requires_grad_() for n, h in ((seqlen_q, nheads), (seqlen_k, nheads_k),
+                                                           (seqlen_k, nheads_k)))
+    fused = _spy_fused_dq(monkeypatch)
+    with kernel_config.override(fused_dq=True):
+        out = flashpatch.flash_attn_func(q, k, v, causal=causal)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert fused == [True], fused
+    check_against_reference(out, grads, q, k, v, dout, causal=causal)
+
+
+@needs_gluon
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_dq_where_keys_are_long_unless_deterministic_bf16(causal, monkeypatch):
+    # config's rule without an override: a query's mean keys seen >= LONG_KEYS fuses dQ (full n2048, causal n4096
+    # with 1024 queries: 3584 keys on average), shorter rows and deterministic=True keep the separate pass
+    torch.manual_seed(0)
+    fused = _spy_fused_dq(monkeypatch)
+    for seqlen_q, seqlen_k, deterministic, expected in ((1024, 4096 if causal else 2048, False, True),
+                                                        (1024, 4096 if causal else 2048, True, False),
+                                                        (1024, 1024, False, False)):
+        fused.clear()
+        q, k, v = random_qkv(1, seqlen_q, seqlen_k, 2, 1, 128, torch.bfloat16, device="cuda")
+        out = flashpatch.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        assert fused == [expected], (seqlen_q, seqlen_k, deterministic, fused)
+        check_against_reference(out, grads, q, k, v, dout, causal=causal)
+
+
 @needs_gluon
 @pytest.mark.parametrize("case", [
     (2, 1024, 1024, 8, 2, 128, True, 0.1, False),

@@ -146,7 +146,7 @@ def test_dp_first_dkdv_order_with_dropout_gives_the_same_gradients():
 @pytest.fixture
 def configs_for_calls(monkeypatch):
     """The positional arguments of every configs_for call ops makes:
-    (headdim, is_cuda, masked, dropout, aligned, short, grouped)."""
+    (headdim, is_cuda, masked, dropout, aligned, short, grouped, long_keys)."""
     calls = []
     configs_for = kernel_config.configs_for
 
@@ -179,6 +179,39 @@ def test_atomic_dq_only_for_masked_d128_dropout_without_gqa():
     assert not atomic(masked=False)
     assert not atomic(dropout=False)
     assert not atomic(headdim=64)
+
+
+def test_fused_dq_only_for_d128_rows_with_long_keys():
+    # round 32 (config.py, NOTES.md v47): the Gluon dK/dV's fused dQ won where a query sees LONG_KEYS keys or more
+    # on average, with or without a mask or GQA; never at other head dims or in the interpreter
+    def fused(headdim=128, is_cuda=True, long_keys=True, **flags):
+        return kernel_config.configs_for(headdim, is_cuda, aligned=True, long_keys=long_keys, **flags).fused_dq
+    assert fused() and fused(masked=True) and fused(grouped=True) and fused(masked=True, grouped=True)
+    assert not fused(long_keys=False)
+    assert not fused(masked=True, long_keys=False, short=True)
+    assert not fused(headdim=64) and not fused(headdim=256)
+    assert not fused(is_cuda=False)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (1, 17), (17, 1), (113, 113), (45, 70), (70, 45), (5, 1023)])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0)], ids=["full", "causal"])
+def test_mean_keys_seen_counts_the_mask(seqlen_q, seqlen_k, window):
+    # against the reference's own mask: the mean over queries of the keys each may attend to
+    from flashpatch.reference import visibility_mask
+
+    visible = visibility_mask(seqlen_q, seqlen_k, window_size=window)
+    expected = visible.sum(-1).double().mean().item()
+    assert ops._mean_keys_seen(seqlen_q, seqlen_k, *window) == pytest.approx(expected, rel=1e-12)
+
+
+def test_ops_tell_config_whether_keys_are_long(configs_for_calls, monkeypatch):
+    # LONG_KEYS lowered to 40: 33 queries see 40 keys each without a mask; under the causal mask 40 - 16 = 24
+    monkeypatch.setattr(kernel_config, "LONG_KEYS", 40)
+    for kwargs, long_keys in (({}, True), ({"causal": True}, False)):
+        configs_for_calls.clear()
+        q, k, v = random_qkv(1, 33, 40, 2, 1, 32, torch.float32)
+        flashpatch.flash_attn_func(q, k, v, **kwargs).sum().backward()
+        assert [args[7] for args in configs_for_calls] == [long_keys, long_keys]
 
 
 def test_dp_first_only_for_unmasked_d128_without_dropout():

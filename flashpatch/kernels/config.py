@@ -48,6 +48,14 @@ class KernelConfigs:
     # time of a backward, serial -> concurrent): the 1B shape 0.305-0.308 -> 0.292-0.296 ms, GQA n2048 0.906-0.914
     # -> 0.860-0.874, causal n4096 1.600-1.635 -> 1.567-1.603, d64 GQA n1024 0.753-0.761 -> 0.719-0.720.
     concurrent_dq: bool = True
+    # dQ added by the Gluon dK/dV itself (hopper_dkdv: dS split along D between its two consumers, a reducer warp's
+    # TMA reduce-adds into an fp32 buffer), no separate pass, where that kernel takes the call and the call is not
+    # deterministic. Round 32 (NOTES.md v47, H100, scripts/concurrent_bwd_bench.py, GPU time of a whole backward,
+    # concurrent separate pass -> fused): the fp32 buffer's zeroing and conversion cost per dQ element and the two
+    # saved matmuls per key seen, so it wins with a query's mean keys seen (`long_keys`): full n2048 / 4096 /
+    # 8192 / 16384 -3 / -9 / -10 / -11%, causal n4096 / 8192 / 16384 -1 / -6 / -10%, GQA 16/4 full n4096 -6%,
+    # causal n8192 -4%; and loses below 2048 (causal n2048 +5%, GQA n2048 +12%, the 1B shape +31%).
+    fused_dq: bool = False
     # The forwards' softmax with the scale folded into the exponent: the row max over the raw scores, then
     # exp2(qk * scale - max) as one fused multiply-add per score instead of a multiply and a subtraction
     # (forward.py, hopper_fwd.py; the kernels ignore it with softcap or ALiBi, which need the scaled scores).
@@ -57,18 +65,21 @@ class KernelConfigs:
 _OVERRIDE: dict = {}
 ALIGN = 128  # every block size below is a power of two up to this (ops._aligned)
 SHORT = 1024  # query lengths up to this count as short (configs_for's `short`)
+LONG_KEYS = 2048  # a query's mean keys seen from this on count as long (configs_for's `long_keys`)
 
 
 def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool = False,
-                aligned: bool = False, short: bool = False, grouped: bool = False) -> KernelConfigs:
+                aligned: bool = False, short: bool = False, grouped: bool = False,
+                long_keys: bool = False) -> KernelConfigs:
     """`measured_configs` (cached: it runs twice per call), with `override`'s fields on top."""
-    cfg = measured_configs(headdim, is_cuda, masked, dropout, aligned, short, grouped)
+    cfg = measured_configs(headdim, is_cuda, masked, dropout, aligned, short, grouped, long_keys)
     return replace(cfg, **_OVERRIDE) if _OVERRIDE else cfg
 
 
 @functools.lru_cache(maxsize=None)
 def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool = False,
-                     aligned: bool = False, short: bool = False, grouped: bool = False) -> KernelConfigs:
+                     aligned: bool = False, short: bool = False, grouped: bool = False,
+                     long_keys: bool = False) -> KernelConfigs:
     """Launch settings measured by scripts/tune_kernels.py on an H200 (bf16, B*N = 16k, H*D = 2048; NOTES.md and
     docs/results/h200/tune_round*.json). `masked`: causal or windowed, where the forward prefers narrower key tiles
     (less work wasted on the diagonal) and the d64 dK/dV kernel a deeper pipeline. `dropout`: the unmasked d128
@@ -80,6 +91,7 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
     (v10); some tiles win only then and lose on varlen batches (scripts/tune_varlen.py, NOTES.md v12-v15).
     `short`: at most SHORT queries, where a grid of 128-row tiles leaves too few programs to fill the SMs evenly.
     `grouped`: GQA/MQA (fewer K/V heads than query heads), where the dK/dV kernel loops over each K/V head's group.
+    `long_keys`: a query sees LONG_KEYS keys or more on average (ops._mean_keys_seen), where the fused dQ wins.
 
     The separate dQ pass beat atomic dQ in every measured case (e.g. d128 n8192 causal: 253 vs 232 TFLOP/s
     backward; round 4: 290 vs 246 with TMA bulk reduce-add) but one, so it is the default, which also makes the
@@ -88,7 +100,8 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
     second draw of every keep bit (backward n2048 / n8192: 191 / 231 -> 206 / 257 TFLOP/s). Without a mask it
     still loses (n8192: 255 -> 217), and with GQA 16/4 too (the 1B recipe's n2048, batch 4: 193 -> 175). There
     `deterministic=True` (or torch's deterministic mode, through the transformers integration) keeps the
-    separate pass. TMA descriptors (`tma`) are used only where they measured faster: elsewhere in
+    separate pass. Those are the Triton kernels' atomics; the Gluon dK/dV's fused dQ (`fused_dq`, round 32) is the
+    other exception. TMA descriptors (`tma`) are used only where they measured faster: elsewhere in
     rounds 4-7 they were within noise of pointer arithmetic, or slower (the d128 forward: 490 -> 456)."""
     block_d = triton.next_power_of_2(headdim)
     # Grid order (round 5, docs/results/h200/tune_round5.json): the forward always runs a head's query blocks on
@@ -173,6 +186,7 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
             gluon_dkdv=True,
             gluon_fwd=True,
             gluon_dq=True,
+            fused_dq=long_keys,
         )
     elif block_d <= 128:
         # Round 7 (tune_round7.json), n4096 / n8192 backward: 317 / 325 -> 344 / 352 TFLOP/s with one-warpgroup
@@ -191,6 +205,7 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
             gluon_dkdv=True,
             gluon_fwd=True,
             gluon_dq=True,
+            fused_dq=long_keys,
         )
     else:  # head dim 256: register pressure; small tiles (not yet tuned)
         cfg = KernelConfigs(

@@ -20,6 +20,24 @@ try:  # Gluon is experimental: its module layout has changed between Triton rele
 except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
 
+TMA_REDUCE = False  # whether tma_reduce_add below could be defined (the fused dQ needs it: hopper_dkdv.fuses_dq)
+if AVAILABLE:
+    try:  # private names: a release without them loses the fused dQ only, not the Gluon kernels
+        from triton._C.libtriton import ir as _ir
+        from triton.experimental.gluon.language._core import builtin as _builtin
+
+        @_builtin
+        def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+            """TMA reduce-add of a shared-memory tile into global memory (cp.reduce.async.bulk.tensor .add): issued
+            like a TMA store, and waited for like one (tma.store_wait). Triton 3.6's Gluon builds the op but names
+            no Python function for it."""
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                      src.handle)
+        TMA_REDUCE = hasattr(_ir, "DESCRIPTOR_REDUCE_KIND")
+    except ImportError:  # pragma: no cover - depends on the installed Triton
+        pass
+
 # Gluon's API changes between Triton releases; the kernels were written and checked against this one (the GPU
 # stack's). Other releases, or FLASHPATCH_GLUON=0 in the environment, keep the Triton kernels.
 GLUON_TRITON = "3.6."
@@ -79,6 +97,14 @@ def descriptor(t: torch.Tensor, block_rows: int):
     shape, strides, rows, cols = rows_view(t)
     layout = _shared_layout(block_rows, t.shape[-1], t.dtype == torch.float16)
     return TensorDescriptor(t, shape, strides, [block_rows, t.shape[-1]], layout), rows, cols
+
+
+def fp32_descriptor(t: torch.Tensor, block_rows: int):
+    """`descriptor` for an fp32 (B, S, H, D) tensor (a dQ accumulator), in (block_rows, 32) tiles: 128 bytes wide,
+    the widest box a 128-byte swizzle allows, as a TMA reduce is not split the way copies are."""
+    shape, strides, rows, cols = rows_view(t)
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, 32], gl.float32)
+    return TensorDescriptor(t, shape, strides, [block_rows, 32], layout), rows, cols
 
 
 def vector_descriptor(t: torch.Tensor, block: int):

@@ -13,14 +13,24 @@ refilled), which keep its two warpgroups in lockstep, so neither fills the other
                          dV and dK are waited for at the end of the step, and the stage is released (`empty`,
                          one arrival per consumer) once the next step's Sᵀ is done.
 
+With an fp32 dQ buffer (`fuses_dq`; ops.py passes one where config's `fused_dq` holds) the kernel adds dQ itself, so
+the backward runs five matmuls per tile instead of the separate dQ pass's seven (FA3's form; NOTES.md v47): after
+issuing dK's matmul, each consumer stores its dS into the step's shared (BM, 128) tile, waits for the other's
+(`ds_full`, the one place the two consumers meet), and multiplies the whole tile by its half of K's columns into a
+(BM, D / 2) fp32 partial, which it leaves in the step's dQ slot; and a fourth partition does the reduce:
+
+  reducer (1 warp):      per step, once both halves are in the slot, TMA reduce-adds of the (BM, D) partial into
+                         the fp32 dQ; the slot is handed back (`dq_empty`) once those reduces have read it.
+
 LSE and delta come through the ring rather than by loads of the consumers: loaded at the top of a step, they were
 needed before the step's first matmul could be issued, and every step waited for them (Nsight Compute, d64 causal
 n8192: 9% of all stall samples at the multiply that scales the LSE, NOTES.md v40). Where in the step the consumers
 read them from shared memory depends on the head dim (`lse_first`: at 128, apart, to keep the registers from
 spilling).
 
-The two consumers never wait for each other, only for the producer, so one's softmax runs under the other's matmuls
-(the Triton kernel's CTA barriers forbid that). dK and dV are waited for at the end of each step: leaving them in
+Without the fused dQ the two consumers never wait for each other, only for the producer, so one's softmax runs under
+the other's matmuls (the Triton kernel's CTA barriers forbid that); with it they meet once a step, after both
+softmaxes. dK and dV are waited for at the end of each step: leaving them in
 flight into the next made ptxas serialize the matmuls (warning C7515) and measured 15-20% slower (NOTES.md v19).
 
 The steps run over the query heads of the program's GQA group and, within a head, over the query blocks that see
@@ -38,14 +48,16 @@ import triton
 from flashpatch.kernels.common import head_and_block
 from flashpatch.kernels.config import head_group
 from flashpatch.kernels.hopper_common import (
-    AVAILABLE, alibi_batch_stride, descriptor, sm90_dense_ok, tma_load, vector_descriptor)
+    AVAILABLE, TMA_REDUCE, alibi_batch_stride, descriptor, fp32_descriptor, sm90_dense_ok, tma_load, vector_descriptor)
 
 if AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
+    if TMA_REDUCE:
+        from flashpatch.kernels.hopper_common import tma_reduce_add
     from flashpatch.kernels.hopper_fwd import alibi_bias, head_slope_log2
 
 BLOCK_M = {64: 64, 128: 64}  # queries per step, by head dim
@@ -111,9 +123,10 @@ if AVAILABLE:
     def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, ALIBI_SLOPES,
               alibi_base, offs_m, offs_n, key0, shift, qk_scale, zero_s, a_layout: gl.constexpr,
               row_layout: gl.constexpr, MASK: gl.constexpr, HALF_N: gl.constexpr, STAGES: gl.constexpr,
-              ALIBI: gl.constexpr, LSE_FIRST: gl.constexpr):
+              ALIBI: gl.constexpr, LSE_FIRST: gl.constexpr, dq_parts, WG: gl.constexpr, FUSED_DQ: gl.constexpr):
         """Step i of a consumer: query block m0 of GQA head g into dK and dV. MASK: 0 none, 1 the causal mask, 2
-        the causal mask where the step crosses the diagonal (a branch per step)."""
+        the causal mask where the step crosses the diagonal (a branch per step). FUSED_DQ: dQ's share of the step
+        too (`_fused_dq`; dq_parts its buffers and barriers, else unused)."""
         dtype: gl.constexpr = q_bufs.dtype
         s = i % STAGES
         alibi_log2 = head_slope_log2(ALIBI_SLOPES, alibi_base + g, ALIBI)  # the step's query head's slope
@@ -144,9 +157,75 @@ if AVAILABLE:
             delta = delta_bufs.index(s).load(row_layout)
         dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
         ds_t = p_t * (dp_t - delta[None, :])
-        dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_s, dk, is_async=True)
-        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))  # not carried into the next step: see the docstring
+        if FUSED_DQ:
+            ds_bf = ds_t.to(dtype)
+            dk = warpgroup_mma(gl.convert_layout(ds_bf, a_layout), q_s, dk, is_async=True)
+            dk, dv = _fused_dq(i, ds_bf, dk, dv, dq_parts, WG)
+        else:
+            dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_s, dk, is_async=True)
+            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))  # not carried into the next step: see the docstring
         return warpgroup_mma_init(dk), warpgroup_mma_init(dv)
+
+    @gluon.jit
+    def _fused_dq(i, ds_bf, dk, dv, dq_parts, WG: gl.constexpr):
+        """dQ's share of step i, with the step's dK and dV matmuls in flight; returns them waited for. The step's
+        query block takes dS K over the program's 128 keys, split along D between the consumers (FA3's form):
+        each stores its (BM, HALF_N) dS into the step's shared tile, waits for the other's (`ds_full`), multiplies
+        the whole (BM, 128) dS by its half of K's columns, and leaves that (BM, D / 2) fp32 partial in the step's
+        dQ slot, which the reducer warp adds into the fp32 dQ in global memory (`_dq_reducer`). Both dS and dQ
+        slots are two deep, so a consumer waits for the other only at `ds_full`."""
+        ds_bufs, dq_bufs, ds_full, dq_full, dq_empty, k_smem, softmax_scale = dq_parts
+        BLOCK_M: gl.constexpr = ds_bufs.shape[1]
+        BLOCK_N: gl.constexpr = ds_bufs.shape[2]
+        HALF_D: gl.constexpr = dq_bufs.shape[2] // 2
+        HALF_N: gl.constexpr = BLOCK_N // 2
+        slot = i % 2
+        phase = (i // 2) & 1
+        ds_s = ds_bufs.index(slot)  # (BM, BLOCK_N): dS, queries by the program's keys
+        # step i + 2 rewrites this slot only after both consumers passed step i + 1's ds_full, which each reaches
+        # after its step-i dQ matmul was waited for
+        ds_s.slice(WG * HALF_N, HALF_N, dim=1).store(gl.permute(ds_bf, (1, 0)))
+        fence_async_shared()
+        gl.thread_barrier()  # every thread's write done before the other consumer is told
+        mbarrier.arrive(ds_full.index(slot))
+        # dK and dV done first: with them and their register operands in flight beside dQ's accumulator, ptxas
+        # serialized the matmuls (C7512, v46)
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HALF_D, 16])  # (queries, D / 2)
+        mbarrier.wait(ds_full.index(slot), phase)
+        dq = warpgroup_mma(ds_s, k_smem.slice(WG * HALF_D, HALF_D, dim=1),
+                           gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout), use_acc=False, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq, ))
+        # a fresh mbarrier counts as having completed the phase before 0, so the first lap does not wait
+        mbarrier.wait(dq_empty.index(slot), phase ^ 1)
+        dq_bufs.index(slot).slice(WG * HALF_D, HALF_D, dim=1).store(dq * softmax_scale)
+        fence_async_shared()
+        gl.thread_barrier()  # every thread's write done before the reducer is told
+        mbarrier.arrive(dq_full.index(slot))
+        return dk, dv
+
+    @gluon.jit
+    def _dq_reducer(dq_desc, dq_bufs, dq_full, dq_empty, dq_row, dq_row_per_head, dq_col, dq_col_per_head,
+                    m_lo, m_end, total, BLOCK_M: gl.constexpr):
+        """The fused dQ's reduce (`_fused_dq`): per step, once both consumers' halves are in the step's slot, a TMA
+        reduce-add of the (BM, D) fp32 tile into dQ, in 128-byte column chunks (the TMA box of a 128-byte swizzle;
+        the lowering splits copies, not reduces). Issued by a warp of its own so that no consumer waits for it."""
+        CHUNK: gl.constexpr = dq_desc.block_type.shape[1]
+        CHUNKS: gl.constexpr = dq_bufs.shape[2] // CHUNK
+        g = 0
+        m0 = m_lo
+        for i in range(total):
+            slot = i % 2
+            mbarrier.wait(dq_full.index(slot), (i // 2) & 1)
+            dq_s = dq_bufs.index(slot)
+            for c in gl.static_range(CHUNKS):
+                tma_reduce_add(dq_desc, [dq_row + g * dq_row_per_head + m0, dq_col + g * dq_col_per_head + c * CHUNK],
+                               dq_s.slice(c * CHUNK, CHUNK, dim=1))
+            tma.store_wait(CHUNKS)  # this step's reduces may run on; the step before's have read their slot
+            mbarrier.arrive(dq_empty.index((i + 1) % 2), pred=i > 0)
+            g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
+        tma.store_wait(0)  # every reduce has read its slot before the program's shared memory goes
 
     @gluon.jit
     def _consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
@@ -154,7 +233,7 @@ if AVAILABLE:
                   alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale,
                   WG: gl.constexpr, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   HALF_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr,
-                  LSE_FIRST: gl.constexpr):
+                  LSE_FIRST: gl.constexpr, dq_parts, FUSED_DQ: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])  # (keys, queries)
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -189,12 +268,12 @@ if AVAILABLE:
                 for j in range(n_diag):
                     dk, dv = _step(i, g, m_lo + j * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs,
                                    ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, qk_scale,
-                                   zero_s, a_layout, row_layout, 1, HALF_N, STAGES, ALIBI, LSE_FIRST)
+                                   zero_s, a_layout, row_layout, 1, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, WG, FUSED_DQ)
                     i += 1
                 for j in range(n_diag, n_mblocks):
                     dk, dv = _step(i, g, m_lo + j * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs,
                                    ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, qk_scale,
-                                   zero_s, a_layout, row_layout, 0, HALF_N, STAGES, ALIBI, LSE_FIRST)
+                                   zero_s, a_layout, row_layout, 0, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, WG, FUSED_DQ)
                     i += 1
         else:
             g = 0
@@ -202,7 +281,7 @@ if AVAILABLE:
             for i in range(total):
                 dk, dv = _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty,
                                ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, qk_scale, zero_s, a_layout,
-                               row_layout, 2 if CAUSAL else 0, HALF_N, STAGES, ALIBI, LSE_FIRST)
+                               row_layout, 2 if CAUSAL else 0, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, WG, FUSED_DQ)
                 g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
 
@@ -214,13 +293,13 @@ if AVAILABLE:
 
     @gluon.jit
     def attn_bwd_dkdv_hopper_kernel(
-        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, DK, DV, ALIBI_SLOPES,
-        q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
+        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, DK, DV, ALIBI_SLOPES,
+        q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, dq_rows, dq_cols,  # see rows_view
         stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lse_b, stride_lse_h,
         stride_alibi_b, nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
         STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr,
-        LSE_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        LSE_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FUSED_DQ: gl.constexpr,
     ):
         BLOCK_N: gl.constexpr = 2 * HALF_N
         num_n = gl.cdiv(seqlen_k, BLOCK_N)
@@ -251,29 +330,69 @@ if AVAILABLE:
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
         mbarrier.init(kv_bar, count=1)
+        if FUSED_DQ:  # `_fused_dq`'s buffers: two slots each of the step's dS tile and of its dQ partial
+            ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, BLOCK_N],
+                                                gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], q_desc.dtype))
+            dq_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEADDIM],
+                                                gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEADDIM], gl.float32))
+            ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(2):
+                mbarrier.init(ds_full.index(s), count=2)  # one arrival per consumer warpgroup
+                mbarrier.init(dq_full.index(s), count=2)
+                mbarrier.init(dq_empty.index(s), count=1)  # the reducer's
+            dq_parts = (ds_bufs, dq_bufs, ds_full, dq_full, dq_empty, k_smem, softmax_scale)
+        else:
+            dq_parts = 0
         fence_async_shared()
 
         lse_base = off_b * stride_lse_b + off_h0 * stride_lse_h
         dk_base = off_b * stride_dkb + off_hk * stride_dkh
         dv_base = off_b * stride_dvb + off_hk * stride_dvh
         alibi_base = off_b * stride_alibi_b + off_h0  # the slopes of the GQA group's query heads follow
-        gl.warp_specialize([
-            (_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
-                         DK, DV, ALIBI_SLOPES, dk_base, stride_dks, dv_base, stride_dvs,
-                         alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale,
-                         0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST)),
-            (_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
-                         DK, DV, ALIBI_SLOPES, dk_base, stride_dks, dv_base, stride_dvs,
-                         alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale,
-                         1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
-                         delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
-                         off_b * q_rows[0] + off_h0 * q_rows[1], q_rows[1], off_h0 * q_cols, q_cols,
-                         off_b * do_rows[0] + off_h0 * do_rows[1], do_rows[1], off_h0 * do_cols, do_cols,
-                         off_b * k_rows[0] + off_hk * k_rows[1] + n0, off_hk * k_cols,
-                         off_b * v_rows[0] + off_hk * v_rows[1] + n0, off_hk * v_cols, lse_base, stride_lse_h,
-                         m_lo, m_end, total, BLOCK_M, STAGES)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        if FUSED_DQ:
+            gl.warp_specialize([
+                (_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
+                             DK, DV, ALIBI_SLOPES, dk_base, stride_dks, dv_base, stride_dvs,
+                             alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale,
+                             0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, dq_parts,
+                             FUSED_DQ)),
+                (_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
+                             DK, DV, ALIBI_SLOPES, dk_base, stride_dks, dv_base, stride_dvs,
+                             alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale,
+                             1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, dq_parts,
+                             FUSED_DQ)),
+                (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
+                             delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
+                             off_b * q_rows[0] + off_h0 * q_rows[1], q_rows[1], off_h0 * q_cols, q_cols,
+                             off_b * do_rows[0] + off_h0 * do_rows[1], do_rows[1], off_h0 * do_cols, do_cols,
+                             off_b * k_rows[0] + off_hk * k_rows[1] + n0, off_hk * k_cols,
+                             off_b * v_rows[0] + off_hk * v_rows[1] + n0, off_hk * v_cols, lse_base, stride_lse_h,
+                             m_lo, m_end, total, BLOCK_M, STAGES)),
+                (_dq_reducer, (dq_desc, dq_bufs, dq_full, dq_empty, off_b * dq_rows[0] + off_h0 * dq_rows[1],
+                               dq_rows[1], off_h0 * dq_cols, dq_cols, m_lo, m_end, total, BLOCK_M)),
+            ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
+                             DK, DV, ALIBI_SLOPES, dk_base, stride_dks, dv_base, stride_dvs,
+                             alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale,
+                             0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, dq_parts,
+                             FUSED_DQ)),
+                (_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
+                             DK, DV, ALIBI_SLOPES, dk_base, stride_dks, dv_base, stride_dvs,
+                             alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale,
+                             1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, dq_parts,
+                             FUSED_DQ)),
+                (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
+                             delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
+                             off_b * q_rows[0] + off_h0 * q_rows[1], q_rows[1], off_h0 * q_cols, q_cols,
+                             off_b * do_rows[0] + off_h0 * do_rows[1], do_rows[1], off_h0 * do_cols, do_cols,
+                             off_b * k_rows[0] + off_hk * k_rows[1] + n0, off_hk * k_cols,
+                             off_b * v_rows[0] + off_hk * v_rows[1] + n0, off_hk * v_cols, lse_base, stride_lse_h,
+                             m_lo, m_end, total, BLOCK_M, STAGES)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, varlen: bool,
@@ -328,11 +447,19 @@ def default_consumer_registers(worker_registers: int) -> int:
     return 3 * MAXNREG - worker_registers - PRODUCER_REGISTERS
 
 
+def fuses_dq(headdim: int) -> bool:
+    """Whether the kernel can add dQ into an fp32 buffer itself (`_fused_dq`, `_dq_reducer`): head dim 128, where
+    K is read from shared memory (at 64 it is held in registers, `register_kv`), and a Triton whose Gluon can issue
+    TMA reduce-adds (hopper_common.TMA_REDUCE)."""
+    return TMA_REDUCE and not register_kv(headdim)
+
+
 def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_scale: float, causal: bool,
-                  alibi_slopes=None) -> None:
+                  alibi_slopes=None, dq_accum=None) -> None:
     """dK, dV (written into dk, dv) for a call `supported` accepted. q, dout: (B, Sq, H, D); k, v: (B, Sk, Hk, D);
     lse, delta: (B, H, Sq) fp32 (natural-log LSE); qk_scale = softmax_scale * log2(e); alibi_slopes: None or
-    float32 (H,) / (B, H)."""
+    float32 (H,) / (B, H). dq_accum: None, or a zeroed fp32 (B, Sq, H, D) that dQ is added into (where `fuses_dq`;
+    not deterministic: the key blocks' reduce-adds land in any order)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     block_m = BLOCK_M[headdim]
@@ -343,10 +470,14 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     # the kernel addresses both by the LSE's strides: delta is made by empty_like(lse) (ops.attn_bwd_impl)
     assert delta.stride() == lse.stride() and lse.stride(-1) == 1, (lse.stride(), delta.stride())
     lse_desc, delta_desc = vector_descriptor(lse, block_m), vector_descriptor(delta, block_m)
+    fused = dq_accum is not None
+    if fused and not fuses_dq(headdim):
+        raise ValueError(f"the Gluon dK/dV adds dQ itself only where fuses_dq (head dim 128), not at {headdim}")
+    dq_desc, dq_rows, dq_cols = fp32_descriptor(dq_accum, block_m) if fused else (None, (0, 0), 0)
     grid = (batch * nheads_k * triton.cdiv(seqlen_k, BLOCK_N),)
     attn_bwd_dkdv_hopper_kernel[grid](
-        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk, dv, alibi_slopes,
-        q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,
+        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, dk, dv, alibi_slopes,
+        q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, dq_rows, dq_cols,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
         nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale,
@@ -354,5 +485,5 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
         HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_k, BLOCK_N), q.device), ALIBI=alibi_slopes is not None,
         REG_KV=register_kv(headdim) if REGISTER_KV is None else REGISTER_KV, LSE_FIRST=lse_first(headdim),
         CONSUMER_REGS=consumer_registers(headdim) if CONSUMER_REGISTERS is None else CONSUMER_REGISTERS,
-        PRODUCER_REGS=PRODUCER_REGISTERS, num_warps=4, maxnreg=MAXNREG,
+        PRODUCER_REGS=PRODUCER_REGISTERS, FUSED_DQ=fused, num_warps=4, maxnreg=MAXNREG,
     )
