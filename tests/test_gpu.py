@@ -140,8 +140,9 @@ GLUON_ALIBI_CASES = GLUON_CASES[:6]
 
 
 def _gluon_id(case):
-    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order = case
-    return f"b{batch}-q{seqlen_q}-k{seqlen_k}-h{nheads}:{nheads_k}-d{headdim}-{'causal' if causal else 'full'}-{order}"
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order, *alibi = case
+    return (f"b{batch}-q{seqlen_q}-k{seqlen_k}-h{nheads}:{nheads_k}-d{headdim}-{'causal' if causal else 'full'}-{order}"
+            + ("-alibi" if alibi and alibi[0] else ""))
 
 
 needs_gluon = pytest.mark.skipif(
@@ -198,7 +199,8 @@ def _check_gluon_case(case, dtype, monkeypatch, make_slopes=None):
     kwargs = {"causal": causal}
     if make_slopes is not None:
         kwargs["alibi_slopes"] = make_slopes(batch, nheads)
-    with kernel_config.override(gluon_fwd=True, gluon_dkdv=True, gluon_dq=True):
+    # the separate dQ pass even where config fuses dQ into dK/dV (long rows; tested on its own below)
+    with kernel_config.override(gluon_fwd=True, gluon_dkdv=True, gluon_dq=True, fused_dq=False):
         out = flashpatch.flash_attn_func(q, k, v, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -258,18 +260,21 @@ def _spy_fused_dq(monkeypatch) -> list:
 
 @needs_gluon
 @pytest.mark.parametrize("case", [
-    (2, 256, 256, 4, 4, 128, True, "bshd"),
-    (2, 256, 256, 4, 4, 128, False, "bhsd"),
-    (1, 512, 512, 8, 2, 128, True, "bshd"),  # GQA: the steps wrap to the group's next query head
-    (3, 128, 128, 3, 1, 128, False, "bshd"),  # MQA, one key block, odd batch and head counts
-    (2, 384, 128, 4, 1, 128, True, "bshd"),  # Sq > Sk: the first 256 queries see no key
-    (1, 640, 1152, 4, 2, 128, False, "bshd"),  # Sq < Sk
-    (1, 640, 1152, 4, 2, 128, True, "bshd"),
+    (2, 256, 256, 4, 4, 128, True, "bshd", False),
+    (2, 256, 256, 4, 4, 128, False, "bhsd", False),
+    (1, 512, 512, 8, 2, 128, True, "bshd", False),  # GQA: the steps wrap to the group's next query head
+    (3, 128, 128, 3, 1, 128, False, "bshd", False),  # MQA, one key block, odd batch and head counts
+    (2, 384, 128, 4, 1, 128, True, "bshd", False),  # Sq > Sk: the first 256 queries see no key
+    (1, 640, 1152, 4, 2, 128, False, "bshd", False),  # Sq < Sk
+    (1, 640, 1152, 4, 2, 128, True, "bshd", False),
+    (1, 4096, 4096, 5, 5, 128, True, "bshd", False),  # heads in groups of 4 (config.head_group), fused by default
+    (1, 512, 512, 8, 2, 128, True, "bshd", True),  # ALiBi: each step's query head's slope
+    (2, 640, 1152, 4, 2, 128, False, "bhsd", True),
 ], ids=_gluon_id)
 def test_gluon_dkdv_fused_dq_matches_float64_bf16(case, monkeypatch):
     # The Gluon dK/dV adds dQ into the fp32 buffer itself (hopper_dkdv._fused_dq, _dq_reducer: dS split along D
     # between the consumers, each step's partial TMA-reduced by a warp of its own), forced on at short rows.
-    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order = case
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order, alibi = case
     torch.manual_seed(0)
 
     def tensor(seqlen, heads):
@@ -279,13 +284,16 @@ def test_gluon_dkdv_fused_dq_matches_float64_bf16(case, monkeypatch):
 
     q, k, v = (tensor(n, h).requires_grad_() for n, h in ((seqlen_q, nheads), (seqlen_k, nheads_k),
                                                            (seqlen_k, nheads_k)))
+    kwargs = {"causal": causal}
+    if alibi:
+        kwargs["alibi_slopes"] = _geometric_slopes(batch, nheads)
     fused = _spy_fused_dq(monkeypatch)
     with kernel_config.override(fused_dq=True):
-        out = flashpatch.flash_attn_func(q, k, v, causal=causal)
+        out = flashpatch.flash_attn_func(q, k, v, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
     assert fused == [True], fused
-    check_against_reference(out, grads, q, k, v, dout, causal=causal)
+    check_against_reference(out, grads, q, k, v, dout, **kwargs)
 
 
 @needs_gluon
