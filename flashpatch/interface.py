@@ -55,8 +55,10 @@ def flash_attn_func(
             -alibi_slopes[h] * |i + seqlen_k - seqlen_q - j| to the (scaled, softcapped) score of query i and key j;
             no gradient flows to the slopes.
         deterministic: bitwise-repeatable backward (no atomics). The default backward is deterministic too,
-            except on a GPU for head dims 65-128 with dropout, a causal or window mask and no GQA, where dQ is
-            summed with fp32 atomics because that measured faster; this flag turns that off.
+            except where adding dQ in fp32 inside the dK/dV kernel measured faster than a separate dQ pass: on a
+            GPU for head dims 65-128 with dropout, a causal or window mask and no GQA (atomics), and on Hopper
+            (sm_90) for head dim 128 rows where a query sees 2048 keys or more on average (TMA reduce-adds); as in
+            flash-attn, the order of those adds varies from run to run. This flag turns both off.
         return_attn_probs: also return the log-sum-exp and, with dropout, the keep pattern (testing aid).
 
     Returns:
