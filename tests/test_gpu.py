@@ -179,6 +179,19 @@ def test_gluon_grid_forms_match_float64_bf16(case, persistent, monkeypatch):
     _check_gluon_case(case, torch.bfloat16, monkeypatch)
 
 
+def _gluon_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, order, dtype):
+    """q, k, v (requiring grad) of a Gluon case, from seed 0; order "bhsd": (B, H, S, D) in memory, seen as
+    (B, S, H, D) like every input."""
+    torch.manual_seed(0)
+
+    def tensor(seqlen, heads):
+        if order == "bhsd":
+            return torch.randn(batch, heads, seqlen, headdim, device="cuda", dtype=dtype).transpose(1, 2)
+        return torch.randn(batch, seqlen, heads, headdim, device="cuda", dtype=dtype)
+
+    return [tensor(n, h).requires_grad_() for n, h in ((seqlen_q, nheads), (seqlen_k, nheads_k), (seqlen_k, nheads_k))]
+
+
 def _check_gluon_case(case, dtype, monkeypatch, make_slopes=None):
     """A GLUON_CASES case, asserting that all three Gluon kernels ran; make_slopes(batch, nheads) adds ALiBi."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order = case
@@ -188,14 +201,7 @@ def _check_gluon_case(case, dtype, monkeypatch, make_slopes=None):
         monkeypatch.setattr(module, name, lambda *a, _launch=launch, _name=name, **kw: calls.append(_name)
                             or _launch(*a, **kw))
 
-    def tensor(seqlen, heads):
-        if order == "bhsd":
-            return torch.randn(batch, heads, seqlen, headdim, device="cuda", dtype=dtype).transpose(1, 2)
-        return torch.randn(batch, seqlen, heads, headdim, device="cuda", dtype=dtype)
-
-    torch.manual_seed(0)
-    q, k, v = (tensor(n, h).requires_grad_() for n, h in ((seqlen_q, nheads), (seqlen_k, nheads_k),
-                                                           (seqlen_k, nheads_k)))
+    q, k, v = _gluon_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, order, dtype)
     kwargs = {"causal": causal}
     if make_slopes is not None:
         kwargs["alibi_slopes"] = make_slopes(batch, nheads)
@@ -224,15 +230,7 @@ def test_gluon_dkdv_kv_forms_match_triton_bitwise_bf16(case, register_kv, monkey
     # accumulate the Triton kernel's products in its order, so dK and dV are bit-identical to it, and within the
     # float64 bar.
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order = case
-    torch.manual_seed(0)
-
-    def tensor(seqlen, heads):
-        if order == "bhsd":
-            return torch.randn(batch, heads, seqlen, headdim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-        return torch.randn(batch, seqlen, heads, headdim, device="cuda", dtype=torch.bfloat16)
-
-    q, k, v = (tensor(n, h).requires_grad_() for n, h in ((seqlen_q, nheads), (seqlen_k, nheads_k),
-                                                           (seqlen_k, nheads_k)))
+    q, k, v = _gluon_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, order, torch.bfloat16)
     dout = torch.randn(batch, seqlen_q, nheads, headdim, device="cuda", dtype=torch.bfloat16)
     calls = []
     launch = hopper_dkdv.attn_bwd_dkdv
@@ -275,15 +273,7 @@ def test_gluon_dkdv_fused_dq_matches_float64_bf16(case, monkeypatch):
     # The Gluon dK/dV adds dQ into the fp32 buffer itself (hopper_dkdv._fused_dq, _dq_reducer: dS split along D
     # between the consumers, each step's partial TMA-reduced by a warp of its own), forced on at short rows.
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order, alibi = case
-    torch.manual_seed(0)
-
-    def tensor(seqlen, heads):
-        if order == "bhsd":
-            return torch.randn(batch, heads, seqlen, headdim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-        return torch.randn(batch, seqlen, heads, headdim, device="cuda", dtype=torch.bfloat16)
-
-    q, k, v = (tensor(n, h).requires_grad_() for n, h in ((seqlen_q, nheads), (seqlen_k, nheads_k),
-                                                           (seqlen_k, nheads_k)))
+    q, k, v = _gluon_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, order, torch.bfloat16)
     kwargs = {"causal": causal}
     if alibi:
         kwargs["alibi_slopes"] = _geometric_slopes(batch, nheads)

@@ -93,11 +93,11 @@ if AVAILABLE:
         return gl.where(offs_n[:, None] <= last_key_of_first_query + offs_m[None, :], p_t, 0.0)
 
     @gluon.jit
-    def _producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs,
-                  k_smem, v_smem, ready, empty, kv_bar,
-                  q_row, q_row_per_head, q_col, q_col_per_head, do_row, do_row_per_head, do_col, do_col_per_head,
-                  k_row, k_col, v_row, v_col, lse_base, lse_per_head, m_lo, m_end, total,
-                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    def _producer(args, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+        (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs,
+         k_smem, v_smem, ready, empty, kv_bar,
+         q_row, q_row_per_head, q_col, q_col_per_head, do_row, do_row_per_head, do_col, do_col_per_head,
+         k_row, k_col, v_row, v_col, lse_base, lse_per_head, m_lo, m_end, total) = args
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma_load(k_desc, [k_row, k_col], kv_bar, k_smem)
         tma_load(v_desc, [v_row, v_col], kv_bar, v_smem)
@@ -206,11 +206,11 @@ if AVAILABLE:
         return dk, dv
 
     @gluon.jit
-    def _dq_reducer(dq_desc, dq_bufs, dq_full, dq_empty, dq_row, dq_row_per_head, dq_col, dq_col_per_head,
-                    m_lo, m_end, total, BLOCK_M: gl.constexpr):
+    def _dq_reducer(args, BLOCK_M: gl.constexpr):
         """The fused dQ's reduce (`_fused_dq`): per step, once both consumers' halves are in the step's slot, a TMA
         reduce-add of the (BM, D) fp32 tile into dQ, in 128-byte column chunks (the TMA box of a 128-byte swizzle;
         the lowering splits copies, not reduces). Issued by a warp of its own so that no consumer waits for it."""
+        dq_desc, dq_bufs, dq_full, dq_empty, dq_row, dq_row_per_head, dq_col, dq_col_per_head, m_lo, m_end, total = args
         CHUNK: gl.constexpr = dq_desc.block_type.shape[1]
         CHUNKS: gl.constexpr = dq_bufs.shape[2] // CHUNK
         g = 0
@@ -228,12 +228,11 @@ if AVAILABLE:
         tma.store_wait(0)  # every reduce has read its slot before the program's shared memory goes
 
     @gluon.jit
-    def _consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
-                  DK, DV, ALIBI_SLOPES, dk_base, stride_dks, dv_base, stride_dvs,
-                  alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale,
-                  WG: gl.constexpr, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                  HALF_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr,
-                  LSE_FIRST: gl.constexpr, dq_parts, FUSED_DQ: gl.constexpr):
+    def _consumer(args, ALIBI_SLOPES, dq_parts, WG: gl.constexpr, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr,
+                  BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr,
+                  REG_KV: gl.constexpr, LSE_FIRST: gl.constexpr, FUSED_DQ: gl.constexpr):
+        (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar, DK, DV, dk_base, stride_dks,
+         dv_base, stride_dvs, alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale) = args
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])  # (keys, queries)
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -351,47 +350,35 @@ if AVAILABLE:
         dk_base = off_b * stride_dkb + off_hk * stride_dkh
         dv_base = off_b * stride_dvb + off_hk * stride_dvh
         alibi_base = off_b * stride_alibi_b + off_h0  # the slopes of the GQA group's query heads follow
-        if FUSED_DQ:
+        # the partitions' runtime arguments as tuples, their constexprs apart (a constexpr in a tuple is not one)
+        consumer_args = (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar, DK, DV,
+                         dk_base, stride_dks, dv_base, stride_dvs, alibi_base, n0, shift, m_lo, m_end, total,
+                         group_size, qk_scale, softmax_scale)
+        producer_args = (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
+                         delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
+                         off_b * q_rows[0] + off_h0 * q_rows[1], q_rows[1], off_h0 * q_cols, q_cols,
+                         off_b * do_rows[0] + off_h0 * do_rows[1], do_rows[1], off_h0 * do_cols, do_cols,
+                         off_b * k_rows[0] + off_hk * k_rows[1] + n0, off_hk * k_cols,
+                         off_b * v_rows[0] + off_hk * v_rows[1] + n0, off_hk * v_cols, lse_base, stride_lse_h,
+                         m_lo, m_end, total)
+        if FUSED_DQ:  # a fourth partition, the reducer warp
+            reducer_args = (dq_desc, dq_bufs, dq_full, dq_empty, off_b * dq_rows[0] + off_h0 * dq_rows[1], dq_rows[1],
+                            off_h0 * dq_cols, dq_cols, m_lo, m_end, total)
             gl.warp_specialize([
-                (_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
-                             DK, DV, ALIBI_SLOPES, dk_base, stride_dks, dv_base, stride_dvs,
-                             alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale,
-                             0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, dq_parts,
-                             FUSED_DQ)),
-                (_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
-                             DK, DV, ALIBI_SLOPES, dk_base, stride_dks, dv_base, stride_dvs,
-                             alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale,
-                             1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, dq_parts,
-                             FUSED_DQ)),
-                (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
-                             delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
-                             off_b * q_rows[0] + off_h0 * q_rows[1], q_rows[1], off_h0 * q_cols, q_cols,
-                             off_b * do_rows[0] + off_h0 * do_rows[1], do_rows[1], off_h0 * do_cols, do_cols,
-                             off_b * k_rows[0] + off_hk * k_rows[1] + n0, off_hk * k_cols,
-                             off_b * v_rows[0] + off_hk * v_rows[1] + n0, off_hk * v_cols, lse_base, stride_lse_h,
-                             m_lo, m_end, total, BLOCK_M, STAGES)),
-                (_dq_reducer, (dq_desc, dq_bufs, dq_full, dq_empty, off_b * dq_rows[0] + off_h0 * dq_rows[1],
-                               dq_rows[1], off_h0 * dq_cols, dq_cols, m_lo, m_end, total, BLOCK_M)),
+                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI,
+                             REG_KV, LSE_FIRST, FUSED_DQ)),
+                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI,
+                             REG_KV, LSE_FIRST, FUSED_DQ)),
+                (_producer, (producer_args, BLOCK_M, STAGES)),
+                (_dq_reducer, (reducer_args, BLOCK_M)),
             ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
-                             DK, DV, ALIBI_SLOPES, dk_base, stride_dks, dv_base, stride_dvs,
-                             alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale,
-                             0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, dq_parts,
-                             FUSED_DQ)),
-                (_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
-                             DK, DV, ALIBI_SLOPES, dk_base, stride_dks, dv_base, stride_dvs,
-                             alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale,
-                             1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, dq_parts,
-                             FUSED_DQ)),
-                (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
-                             delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
-                             off_b * q_rows[0] + off_h0 * q_rows[1], q_rows[1], off_h0 * q_cols, q_cols,
-                             off_b * do_rows[0] + off_h0 * do_rows[1], do_rows[1], off_h0 * do_cols, do_cols,
-                             off_b * k_rows[0] + off_hk * k_rows[1] + n0, off_hk * k_cols,
-                             off_b * v_rows[0] + off_hk * v_rows[1] + n0, off_hk * v_cols, lse_base, stride_lse_h,
-                             m_lo, m_end, total, BLOCK_M, STAGES)),
+                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI,
+                             REG_KV, LSE_FIRST, FUSED_DQ)),
+                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI,
+                             REG_KV, LSE_FIRST, FUSED_DQ)),
+                (_producer, (producer_args, BLOCK_M, STAGES)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
