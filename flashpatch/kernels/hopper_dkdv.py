@@ -30,8 +30,8 @@ spilling).
 
 Without the fused dQ the two consumers never wait for each other, only for the producer, so one's softmax runs under
 the other's matmuls (the Triton kernel's CTA barriers forbid that); with it they meet once a step, after both
-softmaxes. dK and dV are waited for at the end of each step: leaving them in
-flight into the next made ptxas serialize the matmuls (warning C7515) and measured 15-20% slower (NOTES.md v19).
+softmaxes. dK and dV are waited for at the end of each step: leaving them in flight into the next made ptxas
+serialize the matmuls (warning C7515) and measured 15-20% slower (NOTES.md v19).
 
 The steps run over the query heads of the program's GQA group and, within a head, over the query blocks that see
 the program's keys. Scope, checked by `supported`: dense rows whose lengths divide the tiles, bf16/fp16, head dim
@@ -267,12 +267,14 @@ if AVAILABLE:
                 for j in range(n_diag):
                     dk, dv = _step(i, g, m_lo + j * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs,
                                    ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, qk_scale,
-                                   zero_s, a_layout, row_layout, 1, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, WG, FUSED_DQ)
+                                   zero_s, a_layout, row_layout, 1, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, WG,
+                                   FUSED_DQ)
                     i += 1
                 for j in range(n_diag, n_mblocks):
                     dk, dv = _step(i, g, m_lo + j * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs,
                                    ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, qk_scale,
-                                   zero_s, a_layout, row_layout, 0, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, WG, FUSED_DQ)
+                                   zero_s, a_layout, row_layout, 0, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, WG,
+                                   FUSED_DQ)
                     i += 1
         else:
             g = 0
