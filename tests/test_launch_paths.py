@@ -193,6 +193,21 @@ def test_fused_dq_only_for_d128_rows_with_long_keys():
     assert not fused(is_cuda=False)
 
 
+@pytest.mark.parametrize("headdim,accum_dtype,accum_rows", [(64, torch.float32, 17), (128, torch.bfloat16, 17),
+                                                             (128, torch.float32, 16)])
+def test_gluon_dkdv_refuses_a_dq_buffer_it_cannot_add_into(headdim, accum_dtype, accum_rows):
+    # the fused dQ (hopper_dkdv.fuses_dq) is head dim 128 only and adds into an fp32 buffer shaped like q; anything
+    # else is refused before a descriptor is built, so it fails the same on a CPU
+    from flashpatch.kernels import hopper_dkdv
+
+    q, k, v = random_qkv(1, 17, 17, 2, 1, headdim, torch.float16, requires_grad=False)
+    lse = torch.zeros(1, 2, 17)
+    accum = torch.zeros(1, accum_rows, 2, headdim, dtype=accum_dtype)
+    with pytest.raises(ValueError, match="fuses_dq|dq_accum must be float32"):
+        hopper_dkdv.attn_bwd_dkdv(q, k, v, q, lse, lse.clone(), k.clone(), v.clone(), 1.0, 1.0, True,
+                                  dq_accum=accum)
+
+
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (1, 17), (17, 1), (113, 113), (45, 70), (70, 45), (5, 1023)])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0)], ids=["full", "causal"])
 def test_mean_keys_seen_counts_the_mask(seqlen_q, seqlen_k, window):

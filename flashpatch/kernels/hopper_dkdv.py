@@ -451,6 +451,12 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     not deterministic: the key blocks' reduce-adds land in any order)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    fused = dq_accum is not None
+    if fused and not fuses_dq(headdim):
+        raise ValueError(f"the Gluon dK/dV adds dQ itself only where fuses_dq (head dim 128), not at {headdim}")
+    if fused and (dq_accum.dtype != torch.float32 or dq_accum.shape != q.shape):
+        raise ValueError(f"dq_accum must be float32 shaped like q {tuple(q.shape)}, got {dq_accum.dtype} "
+                         f"{tuple(dq_accum.shape)}")
     block_m = BLOCK_M[headdim]
     q_desc, q_rows, q_cols = descriptor(q, block_m)
     do_desc, do_rows, do_cols = descriptor(dout, block_m)
@@ -459,9 +465,6 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     # the kernel addresses both by the LSE's strides: delta is made by empty_like(lse) (ops.attn_bwd_impl)
     assert delta.stride() == lse.stride() and lse.stride(-1) == 1, (lse.stride(), delta.stride())
     lse_desc, delta_desc = vector_descriptor(lse, block_m), vector_descriptor(delta, block_m)
-    fused = dq_accum is not None
-    if fused and not fuses_dq(headdim):
-        raise ValueError(f"the Gluon dK/dV adds dQ itself only where fuses_dq (head dim 128), not at {headdim}")
     dq_desc, dq_rows, dq_cols = fp32_descriptor(dq_accum, block_m) if fused else (None, (0, 0), 0)
     grid = (batch * nheads_k * triton.cdiv(seqlen_k, BLOCK_N),)
     attn_bwd_dkdv_hopper_kernel[grid](
