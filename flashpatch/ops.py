@@ -387,17 +387,22 @@ def attn_bwd_impl(
     gluon_scope = dict(varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
                        window_right=window_right, softcap=softcap, dropout_p=dropout_p)
     gluon_dkdv = cfgs.gluon_dkdv and hopper_dkdv.supported(q, k, v, dout, **gluon_scope)
-    fused_dq = not deterministic and cfgs.fused_dq and gluon_dkdv and hopper_dkdv.fuses_dq(headdim)
-    atomic_dq = (cfgs.atomic_dq and not deterministic) or fused_dq
+    fuses_dq = hopper_dkdv.fuses_dq(headdim, dropout_p > 0)  # whether the Gluon dK/dV could add dQ itself
+    fused_dq = not deterministic and cfgs.fused_dq and gluon_dkdv and fuses_dq
+    # config's atomic dQ is the Triton dK/dV's, taken with dropout to spare the dQ pass its second draw; where the
+    # Gluon dK/dV draws the bits (v51) the separate pass beside it is faster (NOTES.md v51)
+    gluon_draws = gluon_dkdv and dropout_p > 0
+    atomic_dq = (cfgs.atomic_dq and not deterministic and not gluon_draws) or fused_dq
     # fp32 accumulator for atomic dQ; otherwise dQ gets its own pass and the pointer is unused.
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else dq
     causal = window_right == 0
 
     def launch_dkdv():
         # with atomic dQ, the Gluon dK/dV only where it adds dQ itself (hopper_dkdv.fuses_dq)
-        if gluon_dkdv and (not atomic_dq or hopper_dkdv.fuses_dq(headdim)):
+        if gluon_dkdv and (not atomic_dq or fuses_dq):
             hopper_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal,
-                                      alibi_slopes, dq_accum=dq_accum if atomic_dq else None)
+                                      alibi_slopes, dq_accum=dq_accum if atomic_dq else None,
+                                      seed_offset=seed_offset, dropout_p=dropout_p)
         else:
             c = cfgs.bwd_dkdv
             tma_dkdv = c.tma and tma_usable(headdim, q, k, v, dout, dq_accum, dk, dv)

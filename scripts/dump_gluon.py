@@ -33,7 +33,7 @@ def main():
     parser.add_argument("--stages", type=int, default=0, help="0: the module's STAGES")
     parser.add_argument("--block-m", type=int, default=0)
     parser.add_argument("--head-group", type=int, default=1, help="grid order (config.head_group)")
-    parser.add_argument("--dropout", action="store_true", help="dQ with dropout")
+    parser.add_argument("--dropout", action="store_true", help="dQ or dK/dV with dropout")
     parser.add_argument("--alibi", action="store_true", help="with ALiBi slopes")
     parser.add_argument("--persistent", action="store_true", help="the forward's or dQ's PERSISTENT variant")
     parser.add_argument("--consumers", type=int, default=0, help="the forward's consumer warpgroups (0: its rule)")
@@ -49,15 +49,15 @@ def main():
         return f"tensordesc<bf16[{rows}, {d}],{layout!r}>"
 
     if args.kernel == "dkdv":
-        fn, maxnreg = hk.attn_bwd_dkdv_hopper_kernel, hk.MAXNREG
+        fn, maxnreg = hk.attn_bwd_dkdv_hopper_kernel, hk.launch_maxnreg(args.dropout)
         bm = args.block_m or hk.BLOCK_M[d]
         vec = f"tensordesc<fp32[{bm}],{gl.NVMMASharedLayout.get_default_for([bm], gl.float32)!r}>"
         descs = {"q_desc": desc(bm), "do_desc": desc(bm), "k_desc": desc(hk.BLOCK_N), "v_desc": desc(hk.BLOCK_N),
                  "lse_desc": vec, "delta_desc": vec}
         consts = dict(CAUSAL=args.causal, HEADDIM=d, BLOCK_M=bm, HALF_N=hk.HALF_N, STAGES=args.stages or hk.STAGES,
                       HEAD_GROUP=args.head_group, REG_KV=hk.register_kv(d), LSE_FIRST=hk.lse_first(d),
-                      CONSUMER_REGS=hk.consumer_registers(d),
-                      PRODUCER_REGS=hk.PRODUCER_REGISTERS, FUSED_DQ=False)
+                      CONSUMER_REGS=hk.consumer_registers(d, args.dropout),
+                      PRODUCER_REGS=hk.worker_registers(args.dropout), FUSED_DQ=False, DROPOUT=args.dropout)
     elif args.kernel == "dq":
         fn, maxnreg = hq.attn_bwd_dq_hopper_kernel, hq.MAXNREG
         bn = args.block_n or hq.BLOCK_N
@@ -74,6 +74,8 @@ def main():
                       STAGES=args.stages or hf.STAGES, HEAD_GROUP=args.head_group, PERSISTENT=args.persistent,
                       CONSUMERS=consumers)
     consts.update(ALIBI=args.alibi)
+    if args.kernel == "dkdv":
+        consts.update(DRAW_PHILOX=True)
     flags = dict(item.split("=") for item in args.set)
     consts.update({name: bool(int(flags.pop(name, consts.get(name, 0)))) for name in fn.arg_names
                    if name.startswith(("REG_", "FOLD", "LSE_FIRST"))})

@@ -75,6 +75,8 @@ SHAPES = {
     "d64g4k": (4, 4096, 4096, 32, 8, 64, True),  # GQA 32/8 at n4096
     "dropc2k": (8, 2048, 2048, 16, 16, 128, True, 0.1),  # dropout: Triton fwd, dK/dV (atomic dQ here)
     "dropc8k": (2, 8192, 8192, 16, 16, 128, True, 0.1),
+    "dropf4k": (4, 4096, 4096, 16, 16, 128, False, 0.1),
+    "drop2k": (4, 2048, 2048, 16, 4, 128, True, 0.1),  # configs/dropout.yaml's attention
 }
 VARIANTS = {  # name: (Gluon dK/dV (None: config's choice of every kernel), its stages, its grid order)
     "default": (None, 2, None),
@@ -110,6 +112,9 @@ def apply_round28_extras(extras) -> dict:
         fields["concurrent_dq"] = False
     if "gdq" in extras:  # the Gluon dQ under the "default" base
         fields["gluon_dq"] = True
+    if "sepdq" in extras:  # the separate dQ pass where config takes atomic dQ (dropout without GQA)
+        fields.update(atomic_dq=False, fused_dq=False)
+    hk.DRAWER_PHILOX = "nophilox" not in extras  # probe: the dK/dV drawers write all-kept words without drawing
     if "fdq" in extras or "nofdq" in extras:  # dQ inside the d128 Gluon dK/dV (hopper_dkdv.fuses_dq) or not
         fields["fused_dq"] = "fdq" in extras
     return fields

@@ -316,8 +316,8 @@ def test_fused_dq_where_keys_are_long_unless_deterministic_bf16(causal, monkeypa
                   + ("-alibi" if c[8] else "")))
 def test_gluon_dq_dropout_matches_float64_bf16(case, monkeypatch):
     # The Gluon dQ draws common.dropout_keep's bits in the wgmma accumulator layout (hopper_dq.dropout_keep_acc):
-    # the pattern that the separate dropout_mask kernel writes must be the one it applied. The forward and dK/dV
-    # with dropout are the Triton kernels'.
+    # the pattern that the separate dropout_mask kernel writes must be the one it applied. The forward with dropout
+    # is the Triton kernel's; dK/dV the Gluon one at head dim 128 (v51), the Triton one at 64.
     _check_gluon_dq_dropout(case, monkeypatch)
 
 
@@ -347,6 +347,39 @@ def _check_gluon_dq_dropout(case, monkeypatch):
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
     assert calls == [("attn_bwd_dq", p)]
+    check_against_reference(out, grads, q, k, v, dout, dropout_keep=pattern > 0, **kwargs)
+
+
+@needs_gluon
+@pytest.mark.parametrize("case", [
+    (2, 1024, 1024, 8, 2, True, 0.1, False, torch.bfloat16),
+    (1, 640, 1152, 4, 4, True, 0.2, False, torch.bfloat16),  # Sq < Sk, bottom-right causal
+    (1, 1152, 640, 4, 4, True, 0.1, False, torch.bfloat16),  # Sq > Sk: the first queries see no key
+    (2, 512, 1024, 4, 1, False, 0.1, False, torch.float16),
+    (2, 1024, 1024, 8, 2, True, 0.1, True, torch.bfloat16),  # with ALiBi
+    (1, 2048, 2048, 2, 2, True, 0.5, False, torch.bfloat16),
+], ids=lambda c: (f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-{'causal' if c[5] else 'full'}-p{c[6]}"
+                  + ("-alibi" if c[7] else "") + f"-{str(c[8]).split('.')[-1]}"))
+def test_gluon_dkdv_dropout_matches_float64(case, monkeypatch):
+    # The Gluon dK/dV takes its keep bits from drawer warps as one packed word per consumer thread
+    # (hopper_dkdv._keep_drawer, _keep_tile): the pattern that the separate dropout_mask kernel writes must be the one
+    # it applied, with the Gluon dQ pass beside it (the forward is the Triton kernel's)
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, causal, p, alibi, dtype = case
+    calls = []
+    for module, name in ((hopper_dkdv, "attn_bwd_dkdv"), (hopper_dq, "attn_bwd_dq")):
+        launch = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _launch=launch, _name=name, **kw: calls.append(
+            (_name, kw.get("dropout_p"))) or _launch(*a, **kw))
+    torch.manual_seed(0)
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, 128, dtype, device="cuda")
+    kwargs = {"dropout_p": p, "causal": causal}
+    if alibi:
+        kwargs["alibi_slopes"] = _geometric_slopes(batch, nheads)
+    with kernel_config.override(gluon_dkdv=True, gluon_dq=True, atomic_dq=False, fused_dq=False):
+        out, _, pattern = flashpatch.flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert sorted(calls) == [("attn_bwd_dkdv", p), ("attn_bwd_dq", p)]
     check_against_reference(out, grads, q, k, v, dout, dropout_keep=pattern > 0, **kwargs)
 
 

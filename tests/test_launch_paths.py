@@ -208,6 +208,22 @@ def test_gluon_dkdv_refuses_a_dq_buffer_it_cannot_add_into(headdim, accum_dtype,
                                   dq_accum=accum)
 
 
+@pytest.mark.parametrize("headdim,with_accum,with_seed", [(64, False, True), (128, True, True), (128, False, False)],
+                         ids=["d64", "with_dq_buffer", "no_seed_offset"])
+def test_gluon_dkdv_refuses_dropout_it_cannot_draw(headdim, with_accum, with_seed):
+    # the drawer warps (hopper_dkdv._keep_drawer) serve head dim 128 without the fused dQ, from a (seed, offset)
+    # tensor; a call outside that is refused naming the values, before a descriptor is built
+    from flashpatch.kernels import hopper_dkdv
+
+    q, k, v = random_qkv(1, 17, 17, 2, 1, headdim, torch.float16, requires_grad=False)
+    lse = torch.zeros(1, 2, 17)
+    accum = torch.zeros(q.shape, dtype=torch.float32) if with_accum else None
+    seed_offset = torch.zeros(2, dtype=torch.int64) if with_seed else None
+    with pytest.raises(ValueError, match="dropout_p=0.1|at head dim 64|seed_offset=None"):
+        hopper_dkdv.attn_bwd_dkdv(q, k, v, q, lse, lse.clone(), k.clone(), v.clone(), 1.0, 1.0, True,
+                                  dq_accum=accum, seed_offset=seed_offset, dropout_p=0.1)
+
+
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (1, 17), (17, 1), (113, 113), (45, 70), (70, 45), (5, 1023)])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0)], ids=["full", "causal"])
 def test_mean_keys_seen_counts_the_mask(seqlen_q, seqlen_k, window):
@@ -343,17 +359,23 @@ def test_gluon_kernels_take_only_lengths_that_divide_their_tiles(monkeypatch, se
     assert hopper_dkdv.supported(q, k, v, q, **scope) == (seqlen_q % 64 == 0 and seqlen_k % 128 == 0)
 
 
-@pytest.mark.parametrize("headdim", [64, 128])
-def test_gluon_dkdv_register_split_is_one_setmaxnreg_can_take(headdim):
+@pytest.mark.parametrize("headdim,dropout", [(64, False), (128, False), (128, True)])
+def test_gluon_dkdv_register_split_is_one_setmaxnreg_can_take(headdim, dropout):
     # The dK/dV kernel launches 12 warps of MAXNREG registers and warp_specialize hands the worker consumer and the
-    # producer warp their counts; the default partition's consumer gets the rest of its three warpgroups' share.
-    # setmaxnreg takes multiples of 8 in [24, 256]: a count outside that fails only at a GPU launch.
+    # third warpgroup (producer, reducer, drawer warps) their counts; the default partition's consumer gets the rest
+    # of the three warpgroups' share. setmaxnreg takes multiples of 8 in [24, 256]: a count outside that fails only
+    # at a GPU launch.
     from flashpatch.kernels import hopper_dkdv
 
-    worker = hopper_dkdv.consumer_registers(headdim)
-    default = hopper_dkdv.default_consumer_registers(worker)
-    for count in (worker, default, hopper_dkdv.PRODUCER_REGISTERS):
-        assert 24 <= count <= 256 and count % 8 == 0, (headdim, worker, default)
+    worker = hopper_dkdv.consumer_registers(headdim, dropout)
+    default = hopper_dkdv.default_consumer_registers(worker, dropout)
+    third = hopper_dkdv.worker_registers(dropout)
+    for count in (worker, default, third):
+        assert 24 <= count <= 256 and count % 8 == 0, (headdim, worker, default, third)
+    # 12 warps (three warpgroups), or 16 with the dropout drawers, whose warps fill two warpgroups of `third`
+    groups = 4 if dropout else 3
+    assert worker + default + (groups - 2) * third == groups * hopper_dkdv.launch_maxnreg(dropout)
+    assert groups * 128 * hopper_dkdv.launch_maxnreg(dropout) <= 65536  # the register file
 
 
 def test_persistent_grid_rule():

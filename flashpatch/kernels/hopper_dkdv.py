@@ -33,11 +33,19 @@ the other's matmuls (the Triton kernel's CTA barriers forbid that); with it they
 softmaxes. dK and dV are waited for at the end of each step: leaving them in flight into the next made ptxas
 serialize the matmuls (warning C7515) and measured 15-20% slower (NOTES.md v19).
 
+With dropout (head dim 128, without the fused dQ) the keep bits come from warps of their own, so that the Philox
+arithmetic runs beside the consumers' matmuls and softmax rather than inside them (NOTES.md v51):
+
+  drawer w (2 warps):    per step, the Philox calls of consumer w's (64 keys, 64 queries) tile, at the counters of
+                         common.dropout_keep (the forward's bits), packed into one 32-bit word per consumer thread
+                         and written into a ring of STAGES slots (`keep_full` / `keep_empty`); the consumer turns
+                         its word into the keep tile of its registers (`_keep_tile`). The kernel then runs 16 warps.
+
 The steps run over the query heads of the program's GQA group and, within a head, over the query blocks that see
 the program's keys. Scope, checked by `supported`: dense rows whose lengths divide the tiles, bf16/fp16, head dim
 64 or 128, causal (bottom-right aligned) or no mask, ALiBi slopes or none (each step takes its query head's slope),
-no window, softcap or dropout. Everything else, and every machine that is not sm_90 with Gluon, keeps the Triton
-kernel.
+dropout at head dim 128, no window or softcap. Everything else, and every machine that is not sm_90 with Gluon,
+keeps the Triton kernel.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from flashpatch.kernels.common import head_and_block
+from flashpatch.kernels.common import dropout_head_rows, dropout_threshold, head_and_block, philox4x32_10
 from flashpatch.kernels.config import head_group
 from flashpatch.kernels.hopper_common import (
     AVAILABLE, TMA_REDUCE, alibi_batch_stride, descriptor, fp32_descriptor, sm90_dense_ok, tma_load, vector_descriptor)
@@ -58,6 +66,7 @@ if AVAILABLE:
 
     if TMA_REDUCE:
         from flashpatch.kernels.hopper_common import tma_reduce_add
+    from flashpatch.kernels.hopper_dq import dropout_seed_offset
     from flashpatch.kernels.hopper_fwd import alibi_bias, head_slope_log2
 
 BLOCK_M = {64: 64, 128: 64}  # queries per step, by head dim
@@ -66,6 +75,12 @@ BLOCK_N = 2 * HALF_N  # keys per program
 STAGES = 2  # Q/dO ring depth (3 within noise: scripts/gluon_check.py)
 MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
 PRODUCER_REGISTERS = 24  # the producer warp's setmaxnreg count (its warpgroup's; the least setmaxnreg takes)
+# With dropout two drawer partitions of two warps each (`_keep_drawer`) join the producer warp: 13 warps, launched
+# as 16 (four warpgroups) of MAXNREG_DROPOUT registers; the producer's and the drawers' warpgroups take
+# DRAWER_REGISTERS each, the consumers the rest.
+MAXNREG_DROPOUT = 128
+DRAWER_REGISTERS = 24
+DRAWER_PHILOX = True  # probe: False makes the drawers write all-kept words without drawing (gluon_check "+nophilox")
 # K and V held in registers as the A operands of K Qᵀ and V dOᵀ (`_consumer`): None follows `register_kv`; True /
 # False force it (scripts/gluon_check.py "+rkv" / "+norkv").
 REGISTER_KV: bool | None = None
@@ -91,6 +106,91 @@ if AVAILABLE:
         """Pᵀ with the scores of keys after each query's last visible one zeroed (bottom-right aligned: key n is
         visible from query m0 + j when n <= m0 + j + Sk - Sq)."""
         return gl.where(offs_n[:, None] <= last_key_of_first_query + offs_m[None, :], p_t, 0.0)
+
+    # Dropout. A consumer's step tile is (HALF_N, BLOCK_M) = (64 keys, 64 queries), and in the wgmma accumulator
+    # layout a thread holds 32 of its scores: key bit 3 and query bits 0, 3, 4, 5 vary over its registers, the other
+    # bits are its lane and warp. Its keep decisions travel from the consumer's drawer warp (`_keep_drawer`) as one
+    # 32-bit word per consumer thread; decision (key bit 3, query bit 0, query >> 3) is that word's bit
+    #     key bit 3 + 2 * query bit 0 + 4 * (query >> 3).
+    # The word tile is (key >> 4, key & 7, (query >> 1) & 3), in the order of the consumer's threads.
+    # KEEP_TILE6 is the score tile as (key >> 4, key bit 3, key & 7, query >> 3, (query >> 1) & 3, query bit 0): the
+    # accumulator layout with the register dimensions (1, 3, 5) apart, so that a thread's word broadcast over them
+    # gives each register its bit at a constant position.
+    KEEP_TILE6 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2, 1, 8, 1, 2], threads_per_warp=[1, 1, 8, 1, 4, 1],
+                                               warps_per_cta=[4, 1, 1, 1, 1, 1], order=[5, 1, 3, 4, 2, 0]))
+    KEEP_WORDS = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(5, KEEP_TILE6))))  # (4, 8, 4)
+    KEEP_KEY3 = gl.constexpr(gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(
+        4, gl.SliceLayout(5, KEEP_TILE6))))))
+    KEEP_QUERY_HI = gl.constexpr(gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
+        4, gl.SliceLayout(5, KEEP_TILE6))))))
+    KEEP_QUERY0 = gl.constexpr(gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
+        3, gl.SliceLayout(4, KEEP_TILE6))))))
+    # the drawer's tile: (key >> 4, (key >> 1) & 3, (query >> 1) & 3), the pairs of consumer threads that differ in
+    # key bit 0 only, two per lane of its one warp
+    KEEP_DRAW = gl.constexpr(gl.BlockedLayout([1, 1, 1], [2, 4, 4], [2, 1, 1], [2, 1, 0]))
+    KEEP_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))  # a slot's (4, 8, 4) words, row-major
+
+    @gluon.jit
+    def _keep_tile(word, like):
+        """The step's (HALF_N, BLOCK_M) keep tile in the layout of `like` (the consumer's Sᵀ) from the consumer
+        thread's word (KEEP_WORDS): each register takes its own bit, at a position known at compile time."""
+        key3 = gl.arange(0, 2, layout=KEEP_KEY3)[None, :, None, None, None, None]
+        query_hi = gl.arange(0, 8, layout=KEEP_QUERY_HI)[None, None, None, :, None, None]
+        query0 = gl.arange(0, 2, layout=KEEP_QUERY0)[None, None, None, None, None, :]
+        bits = (word[:, None, :, None, :, None] >> (key3 + 2 * query0 + 4 * query_hi)) & 1
+        bits = gl.reshape(bits, [like.shape[0], like.shape[1]])
+        return gl.convert_layout(bits, like.type.layout, assert_trivial=True) != 0
+
+    @gluon.jit
+    def _pack_word(lo, hi, r, threshold, pos):
+        """Decisions of one Philox output word into the two threads' words: low half key bit 0 = 0, high half 1."""
+        lo |= ((r & 0xFFFF) >= threshold).to(gl.uint32) << pos
+        hi |= ((r >> 16) >= threshold).to(gl.uint32) << pos
+        return lo, hi
+
+    @gluon.jit
+    def _keep_drawer(args, WG: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, STAGES: gl.constexpr,
+                     PHILOX: gl.constexpr):
+        """Consumer WG's keep words, step by step, into its ring of STAGES slots (`keep_full` / `keep_empty`),
+        drawn by common.dropout_keep's counters so that the bits are the forward's: a Philox call decides the eight
+        pairs that differ in query bit 3 and key bits 0 and 3, i.e. four decisions for each of two consumer threads
+        (key bit 0 is a lane bit of the transposed tile), so each of this warp's lanes runs the calls of two such
+        thread pairs, eight calls a pair (query bits 0, 4, 5), and writes four words. Its own warp, so that the
+        integer work runs beside the consumers' matmuls and softmax instead of inside them (NOTES.md v51)."""
+        (keep_bufs, keep_full, keep_empty, SEED_OFFSET, dropout_p, off_b, nheads, off_h0, seqlen_q, seqlen_k, n0,
+         m_lo, m_end, total) = args
+        key0 = n0 + WG * HALF_N
+        seed, offset = dropout_seed_offset(SEED_OFFSET, True)
+        threshold = dropout_threshold(dropout_p)
+        key_hi = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, KEEP_DRAW)))[:, None, None]
+        key_mid = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, KEEP_DRAW)))[None, :, None]
+        query_mid = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, KEEP_DRAW)))[None, None, :]
+        col = key0 // 4 + key_hi * 4 + key_mid  # counter column of the pair's keys (bits 0 and 3 dropped)
+        groups_per_row = gl.cdiv(seqlen_k, 16) * 4
+        g = 0
+        m0 = m_lo
+        for i in range(total):
+            # counter row of query m0 + 2 * query_mid (bit 3 dropped): dropout_keep's rows0 + (i >> 4) * 8 + (i & 7)
+            row = (dropout_head_rows(off_b, nheads, off_h0 + g, seqlen_q) + m0 // 2 + 2 * query_mid).to(gl.int64)
+            base = offset + row * groups_per_row + col  # (4, 4, 4): the call of query bits 0, 4, 5 = 0
+            lo = gl.zeros(base.shape, gl.uint32, KEEP_DRAW) + (0 if PHILOX else 0xFFFFFFFF)
+            hi = gl.zeros(base.shape, gl.uint32, KEEP_DRAW) + (0 if PHILOX else 0xFFFFFFFF)
+            for c in range(8 if PHILOX else 0):  # c = query bit 0 + 2 * (query >> 4); a loop: one call's state live
+                r0, r1, r2, r3 = philox4x32_10(seed, base + ((c >> 1) * 8 + (c & 1)) * groups_per_row)
+                # word 2 * query bit 3 + key bit 3 -> bit key3 + 2 * query0 + 4 * query3 + 8 * (query >> 4)
+                pos = 2 * (c & 1) + 8 * (c >> 1)
+                lo, hi = _pack_word(lo, hi, r0, threshold, pos)
+                lo, hi = _pack_word(lo, hi, r1, threshold, pos + 1)
+                lo, hi = _pack_word(lo, hi, r2, threshold, pos + 4)
+                lo, hi = _pack_word(lo, hi, r3, threshold, pos + 5)
+            words = gl.reshape(gl.permute(gl.join(lo, hi), [0, 1, 3, 2]), [4, 8, 4])  # key & 7 = 2 * mid + bit 0
+            s = WG * STAGES + i % STAGES
+            # a fresh mbarrier counts as having completed the phase before 0, so the first lap does not wait
+            mbarrier.wait(keep_empty.index(s), ((i // STAGES) & 1) ^ 1)
+            keep_bufs.index(s).store(words.to(gl.int32, bitcast=True))
+            gl.thread_barrier()  # every lane's word written before the consumer is told
+            mbarrier.arrive(keep_full.index(s))
+            g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
 
     @gluon.jit
     def _producer(args, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
@@ -123,10 +223,13 @@ if AVAILABLE:
     def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, ALIBI_SLOPES,
               alibi_base, offs_m, offs_n, key0, shift, qk_scale, zero_s, a_layout: gl.constexpr,
               row_layout: gl.constexpr, MASK: gl.constexpr, HALF_N: gl.constexpr, STAGES: gl.constexpr,
-              ALIBI: gl.constexpr, LSE_FIRST: gl.constexpr, dq_parts, WG: gl.constexpr, FUSED_DQ: gl.constexpr):
+              ALIBI: gl.constexpr, LSE_FIRST: gl.constexpr, dq_parts, WG: gl.constexpr, FUSED_DQ: gl.constexpr,
+              keep_parts, DROPOUT: gl.constexpr):
         """Step i of a consumer: query block m0 of GQA head g into dK and dV. MASK: 0 none, 1 the causal mask, 2
         the causal mask where the step crosses the diagonal (a branch per step). FUSED_DQ: dQ's share of the step
-        too (`_fused_dq`; dq_parts its buffers and barriers, else unused)."""
+        too (`_fused_dq`; dq_parts its buffers and barriers, else unused). DROPOUT: the step's keep word from the
+        drawer (keep_parts: the rings of keep words and their barriers, and 1 / (1 - p)); dV sums the kept Pᵀ dO unscaled (`_consumer`
+        scales it once at the end), and dS = P (Z dP / (1 - p) - delta). Its slots are WG * STAGES + the stage."""
         dtype: gl.constexpr = q_bufs.dtype
         s = i % STAGES
         alibi_log2 = head_slope_log2(ALIBI_SLOPES, alibi_base + g, ALIBI)  # the step's query head's slope
@@ -140,9 +243,16 @@ if AVAILABLE:
         if not LSE_FIRST:  # read under the two matmuls
             lse_log2 = lse_bufs.index(s).load(row_layout) * LOG2E
             delta = delta_bufs.index(s).load(row_layout)
+        if DROPOUT:  # read under the two matmuls
+            keep_bufs, keep_full, keep_empty, keep_scale = keep_parts
+            mbarrier.wait(keep_full.index(WG * STAGES + s), (i // STAGES) & 1)
+            word = keep_bufs.index(WG * STAGES + s).load(KEEP_WORDS)
         s_t = warpgroup_mma_wait(1, deps=(s_t, ))
-        # the previous step's stage can be refilled: its matmuls were waited for at the end of that step
+        # the previous step's stage can be refilled: its matmuls were waited for at the end of that step (and the
+        # warpgroup's matmul issue is aligned: every warp has read that step's keep word too)
         mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+        if DROPOUT:
+            mbarrier.arrive(keep_empty.index(WG * STAGES + (i + STAGES - 1) % STAGES), pred=i > 0)
         scores_t = s_t * qk_scale  # log2 units
         if ALIBI:
             scores_t += alibi_bias(alibi_log2, (m0 + shift) + offs_m[None, :], offs_n[:, None])
@@ -152,11 +262,19 @@ if AVAILABLE:
         elif MASK == 2:  # only the steps that cross the diagonal hide any of the warpgroup's keys
             if key0 + HALF_N - 1 > m0 + shift:
                 p_t = _causal_mask(p_t, offs_n, offs_m, m0 + shift)
-        dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
+        if DROPOUT:
+            keep = _keep_tile(word, zero_s)
+            dv = warpgroup_mma(gl.convert_layout(gl.where(keep, p_t, 0.0).to(dtype), a_layout), do_s, dv,
+                               is_async=True)
+        else:
+            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
         if LSE_FIRST:  # delta is live from here on only, with LSE no longer needed
             delta = delta_bufs.index(s).load(row_layout)
         dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
-        ds_t = p_t * (dp_t - delta[None, :])
+        if DROPOUT:
+            ds_t = p_t * (gl.where(keep, dp_t * keep_scale, 0.0) - delta[None, :])
+        else:
+            ds_t = p_t * (dp_t - delta[None, :])
         if FUSED_DQ:
             ds_bf = ds_t.to(dtype)
             dk = warpgroup_mma(gl.convert_layout(ds_bf, a_layout), q_s, dk, is_async=True)
@@ -228,9 +346,10 @@ if AVAILABLE:
         tma.store_wait(0)  # every reduce has read its slot before the program's shared memory goes
 
     @gluon.jit
-    def _consumer(args, ALIBI_SLOPES, dq_parts, WG: gl.constexpr, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr,
-                  BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr,
-                  REG_KV: gl.constexpr, LSE_FIRST: gl.constexpr, FUSED_DQ: gl.constexpr):
+    def _consumer(args, ALIBI_SLOPES, dq_parts, keep_parts, WG: gl.constexpr, CAUSAL: gl.constexpr,
+                  HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, STAGES: gl.constexpr,
+                  ALIBI: gl.constexpr, REG_KV: gl.constexpr, LSE_FIRST: gl.constexpr, FUSED_DQ: gl.constexpr,
+                  DROPOUT: gl.constexpr):
         (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar, DK, DV, dk_base, stride_dks,
          dv_base, stride_dvs, alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale) = args
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -268,13 +387,13 @@ if AVAILABLE:
                     dk, dv = _step(i, g, m_lo + j * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs,
                                    ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, qk_scale,
                                    zero_s, a_layout, row_layout, 1, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, WG,
-                                   FUSED_DQ)
+                                   FUSED_DQ, keep_parts, DROPOUT)
                     i += 1
                 for j in range(n_diag, n_mblocks):
                     dk, dv = _step(i, g, m_lo + j * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs,
                                    ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, qk_scale,
                                    zero_s, a_layout, row_layout, 0, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, WG,
-                                   FUSED_DQ)
+                                   FUSED_DQ, keep_parts, DROPOUT)
                     i += 1
         else:
             g = 0
@@ -282,7 +401,8 @@ if AVAILABLE:
             for i in range(total):
                 dk, dv = _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty,
                                ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, qk_scale, zero_s, a_layout,
-                               row_layout, 2 if CAUSAL else 0, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, WG, FUSED_DQ)
+                               row_layout, 2 if CAUSAL else 0, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, WG, FUSED_DQ,
+                               keep_parts, DROPOUT)
                 g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
 
@@ -290,17 +410,20 @@ if AVAILABLE:
         offs_key = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, acc_layout))
         offs_d = gl.arange(0, HEADDIM, layout=gl.SliceLayout(0, acc_layout))
         gl.store(DK + dk_base + offs_key[:, None] * stride_dks + offs_d[None, :], (dk * softmax_scale).to(dtype))
+        if DROPOUT:
+            dv = dv * keep_parts[3]  # the kept Pᵀ dO, times 1 / (1 - p)
         gl.store(DV + dv_base + offs_key[:, None] * stride_dvs + offs_d[None, :], dv.to(dtype))
 
     @gluon.jit
     def attn_bwd_dkdv_hopper_kernel(
-        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, DK, DV, ALIBI_SLOPES,
+        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, DK, DV, ALIBI_SLOPES, SEED_OFFSET,
         q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, dq_rows, dq_cols,  # see rows_view
         stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lse_b, stride_lse_h,
-        stride_alibi_b, nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+        stride_alibi_b, nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
         STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr,
         LSE_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FUSED_DQ: gl.constexpr,
+        DROPOUT: gl.constexpr, DRAW_PHILOX: gl.constexpr,
     ):
         BLOCK_N: gl.constexpr = 2 * HALF_N
         num_n = gl.cdiv(seqlen_k, BLOCK_N)
@@ -346,6 +469,17 @@ if AVAILABLE:
             dq_parts = (ds_bufs, dq_bufs, ds_full, dq_full, dq_empty, k_smem, softmax_scale)
         else:
             dq_parts = 0
+        if DROPOUT:  # each consumer's ring of keep words (`_keep_drawer`)
+            gl.static_assert(BLOCK_M == 64 and HALF_N == 64 and not FUSED_DQ, "the keep words are laid out for 64 x 64")
+            keep_bufs = gl.allocate_shared_memory(gl.int32, [2 * STAGES, 4, 8, 4], KEEP_SHARED)
+            keep_full = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+            keep_empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(2 * STAGES):
+                mbarrier.init(keep_full.index(s), count=1)  # the drawer's
+                mbarrier.init(keep_empty.index(s), count=1)  # the consumer's
+            keep_parts = (keep_bufs, keep_full, keep_empty, 1.0 / (1.0 - dropout_p))  # consumer w's slots: w * STAGES..
+        else:
+            keep_parts = 0
         fence_async_shared()
 
         lse_base = off_b * stride_lse_b + off_h0 * stride_lse_h
@@ -367,19 +501,32 @@ if AVAILABLE:
             reducer_args = (dq_desc, dq_bufs, dq_full, dq_empty, off_b * dq_rows[0] + off_h0 * dq_rows[1], dq_rows[1],
                             off_h0 * dq_cols, dq_cols, m_lo, m_end, total)
             gl.warp_specialize([
-                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI,
-                             REG_KV, LSE_FIRST, FUSED_DQ)),
-                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI,
-                             REG_KV, LSE_FIRST, FUSED_DQ)),
+                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, 0, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES,
+                             ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, False)),
+                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, 0, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES,
+                             ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, False)),
                 (_producer, (producer_args, BLOCK_M, STAGES)),
                 (_dq_reducer, (reducer_args, BLOCK_M)),
             ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+        elif DROPOUT:  # a drawer warp per consumer, each with its consumer's keys
+            nheads = nheads_k * group_size
+            drawer_args = (keep_bufs, keep_full, keep_empty, SEED_OFFSET, dropout_p, off_b, nheads, off_h0, seqlen_q,
+                           seqlen_k, n0, m_lo, m_end, total)
+            gl.warp_specialize([
+                (_consumer, (consumer_args, ALIBI_SLOPES, 0, keep_parts, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES,
+                             ALIBI, REG_KV, LSE_FIRST, False, True)),
+                (_consumer, (consumer_args, ALIBI_SLOPES, 0, keep_parts, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES,
+                             ALIBI, REG_KV, LSE_FIRST, False, True)),
+                (_producer, (producer_args, BLOCK_M, STAGES)),
+                (_keep_drawer, (drawer_args, 0, BLOCK_M, HALF_N, STAGES, DRAW_PHILOX)),
+                (_keep_drawer, (drawer_args, 1, BLOCK_M, HALF_N, STAGES, DRAW_PHILOX)),
+            ], [4, 1, 2, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI,
-                             REG_KV, LSE_FIRST, FUSED_DQ)),
-                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES, ALIBI,
-                             REG_KV, LSE_FIRST, FUSED_DQ)),
+                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, 0, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES,
+                             ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, False)),
+                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, 0, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES,
+                             ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, False)),
                 (_producer, (producer_args, BLOCK_M, STAGES)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -388,9 +535,9 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
               max_seqlen_q: int, max_seqlen_k: int, window_left: int, window_right: int, softcap: float,
               dropout_p: float) -> bool:
     """Whether this kernel covers the call: sm_90 with Gluon, dense rows whose lengths divide the tiles, bf16/fp16,
-    head dim 64 or 128, causal or unmasked. Anything else keeps the Triton kernel."""
+    head dim 64 or 128, causal or unmasked, dropout at head dim 128. Anything else keeps the Triton kernel."""
     if not sm90_dense_ok(q, k, v, dout, varlen=varlen, window_left=window_left, window_right=window_right,
-                         softcap=softcap, dropout_p=dropout_p):
+                         softcap=softcap, dropout_p=dropout_p, with_dropout=q.shape[-1] == 128):
         return False
     return max_seqlen_q % BLOCK_M[q.shape[-1]] == 0 and max_seqlen_k % BLOCK_N == 0
 
@@ -420,40 +567,63 @@ def lse_first(headdim: int) -> bool:
     return headdim > 64
 
 
-def consumer_registers(headdim: int) -> int:
+def worker_registers(dropout: bool) -> int:
+    """The setmaxnreg count of the third warpgroup, which holds the producer warp (and the reducer and drawer warps):
+    setmaxnreg applies to a whole warpgroup, so they share it."""
+    return DRAWER_REGISTERS if dropout else PRODUCER_REGISTERS
+
+
+def consumer_registers(headdim: int, dropout: bool = False) -> int:
     """The registers a thread that setmaxnreg gives the worker consumer warpgroup; the default partition's consumer
     gets what the producer warp (PRODUCER_REGISTERS) and this one leave of the MAXNREG x 12 warps the kernel is
     launched with (`default_consumer_registers`): at 240 both consumers hold 240. At head dim 128 that took ptxas's
     spills from 12 B to 0 (32 to 16 B causal) against 232 / 248, with GPU kernel time within 2% (H100: the 1B shape
     0.134 -> 0.131 ms, GQA n2048 0.420 -> 0.427; NOTES.md v44); head dim 64 spills nothing either way and keeps
-    232."""
+    232. With dropout the drawers' warpgroup takes DRAWER_REGISTERS, and the consumers split the rest evenly."""
+    if dropout:
+        return (4 * MAXNREG_DROPOUT - 2 * worker_registers(True)) // 16 * 8
     return 240 if headdim > 64 else 232
 
 
-def default_consumer_registers(worker_registers: int) -> int:
+def default_consumer_registers(consumer: int, dropout: bool = False) -> int:
     """The default partition's consumer's registers a thread: its warpgroup's share of the three warpgroups'
-    MAXNREG each, less the worker consumer's and the producer's."""
-    return 3 * MAXNREG - worker_registers - PRODUCER_REGISTERS
+    MAXNREG each, less the worker consumer's and the third warpgroup's (`worker_registers`)."""
+    if dropout:
+        return 4 * MAXNREG_DROPOUT - consumer - 2 * worker_registers(True)
+    return 3 * MAXNREG - consumer - worker_registers(False)
 
 
-def fuses_dq(headdim: int) -> bool:
+def launch_maxnreg(dropout: bool) -> int:
+    """The registers a thread the kernel is launched with: the register file over its 12 warps, or 16 with the
+    drawers."""
+    return MAXNREG_DROPOUT if dropout else MAXNREG
+
+
+def fuses_dq(headdim: int, dropout: bool = False) -> bool:
     """Whether the kernel can add dQ into an fp32 buffer itself (`_fused_dq`, `_dq_reducer`): head dim 128, where
-    K is read from shared memory (at 64 it is held in registers, `register_kv`), and a Triton whose Gluon can issue
-    TMA reduce-adds (hopper_common.TMA_REDUCE)."""
-    return TMA_REDUCE and not register_kv(headdim)
+    K is read from shared memory (at 64 it is held in registers, `register_kv`), without dropout (the shared memory
+    is full: 230,928 of 232,448 B, and the keep words' ring needs 2 KB), and a Triton whose Gluon can issue TMA
+    reduce-adds (hopper_common.TMA_REDUCE)."""
+    return TMA_REDUCE and not register_kv(headdim) and not dropout
 
 
 def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_scale: float, causal: bool,
-                  alibi_slopes=None, dq_accum=None) -> None:
+                  alibi_slopes=None, dq_accum=None, seed_offset=None, dropout_p: float = 0.0) -> None:
     """dK, dV (written into dk, dv) for a call `supported` accepted. q, dout: (B, Sq, H, D); k, v: (B, Sk, Hk, D);
     lse, delta: (B, H, Sq) fp32 (natural-log LSE); qk_scale = softmax_scale * log2(e); alibi_slopes: None or
     float32 (H,) / (B, H). dq_accum: None, or a zeroed fp32 (B, Sq, H, D) that dQ is added into (where `fuses_dq`;
-    not deterministic: the key blocks' reduce-adds land in any order)."""
+    not deterministic: the key blocks' reduce-adds land in any order). dropout_p > 0: the forward's keep bits, drawn
+    from seed_offset (ops.draw_seed_offset's int64 (seed, offset)); head dim 128, without dq_accum."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     fused = dq_accum is not None
-    if fused and not fuses_dq(headdim):
-        raise ValueError(f"the Gluon dK/dV adds dQ itself only where fuses_dq (head dim 128), not at {headdim}")
+    dropout = dropout_p > 0
+    if fused and not fuses_dq(headdim, dropout):
+        raise ValueError(f"the Gluon dK/dV adds dQ itself only where fuses_dq (head dim 128, no dropout), not at head "
+                         f"dim {headdim} with dropout_p={dropout_p}")
+    if dropout and (headdim != 128 or seed_offset is None):
+        raise ValueError(f"the Gluon dK/dV draws dropout at head dim 128 from a seed_offset tensor, not at head dim "
+                         f"{headdim} with seed_offset={seed_offset!r}")
     if fused and (dq_accum.dtype != torch.float32 or dq_accum.shape != q.shape):
         raise ValueError(f"dq_accum must be float32 shaped like q {tuple(q.shape)}, got {dq_accum.dtype} "
                          f"{tuple(dq_accum.shape)}")
@@ -468,14 +638,15 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     dq_desc, dq_rows, dq_cols = fp32_descriptor(dq_accum, block_m) if fused else (None, (0, 0), 0)
     grid = (batch * nheads_k * triton.cdiv(seqlen_k, BLOCK_N),)
     attn_bwd_dkdv_hopper_kernel[grid](
-        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, dk, dv, alibi_slopes,
+        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, dk, dv, alibi_slopes, seed_offset,
         q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, dq_rows, dq_cols,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
-        nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+        nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
         CAUSAL=causal, HEADDIM=headdim, BLOCK_M=block_m, HALF_N=HALF_N, STAGES=STAGES,
         HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_k, BLOCK_N), q.device), ALIBI=alibi_slopes is not None,
         REG_KV=register_kv(headdim) if REGISTER_KV is None else REGISTER_KV, LSE_FIRST=lse_first(headdim),
-        CONSUMER_REGS=consumer_registers(headdim) if CONSUMER_REGISTERS is None else CONSUMER_REGISTERS,
-        PRODUCER_REGS=PRODUCER_REGISTERS, FUSED_DQ=fused, num_warps=4, maxnreg=MAXNREG,
+        CONSUMER_REGS=consumer_registers(headdim, dropout) if CONSUMER_REGISTERS is None else CONSUMER_REGISTERS,
+        PRODUCER_REGS=worker_registers(dropout), FUSED_DQ=fused, DROPOUT=dropout,
+        DRAW_PHILOX=DRAWER_PHILOX, num_warps=4, maxnreg=launch_maxnreg(dropout),
     )
