@@ -14,7 +14,9 @@ off), "+wrN" (the dK/dV worker consumer's setmaxnreg count, hopper_dkdv.CONSUMER
 "+c3" / "+c2" (the d64 Gluon forward with three or two consumer warpgroups,
 hopper_fwd.CONSUMERS_BY_HEADDIM), "+serial" (dQ after dK/dV, not beside it: each kernel's own time), "+gdq" (the
 Gluon dQ under the "default" base) and "+fdq" / "+nofdq" (dQ added by the d128 Gluon dK/dV itself or by the separate
-pass, config.KernelConfigs.fused_dq; its backward column counts the fp32 buffer's zeroing and conversion). Its
+pass, config.KernelConfigs.fused_dq; its backward column counts the fp32 buffer's zeroing and conversion), "+sepdq"
+(the separate dQ pass where config takes atomic dQ: dropout without GQA) and "+nophilox" (a probe: the d128 dK/dV's
+dropout drawers write all-kept words without drawing, hopper_dkdv.DRAWER_PHILOX; NOTES.md v51). Its
 measured losers, removed since: "+rq" (the forward's Q, and "+rqdo" the dQ kernel's Q and dO, held in registers as
 matmul operands), "+rk" (K alone), "+c3dk" and "+c3dq" (three consumer warpgroups in the d64 dK/dV and dQ: NOTES.md
 v37, v38), "+ahN" (the dK/dV step's LSE read a step ahead, v45), "+adq" (v46's atomic dQ fused into the d128 Gluon
