@@ -109,8 +109,8 @@ if AVAILABLE:
 
     # Dropout. A consumer's step tile is (HALF_N, BLOCK_M) = (64 keys, 64 queries), and in the wgmma accumulator
     # layout a thread holds 32 of its scores: key bit 3 and query bits 0, 3, 4, 5 vary over its registers, the other
-    # bits are its lane and warp. Its keep decisions travel from the consumer's drawer warp (`_keep_drawer`) as one
-    # 32-bit word per consumer thread; decision (key bit 3, query bit 0, query >> 3) is that word's bit
+    # bits are its lane and warp. Its keep decisions travel from the consumer's drawer partition (`_keep_drawer`) as
+    # one 32-bit word per consumer thread; decision (key bit 3, query bit 0, query >> 3) is that word's bit
     #     key bit 3 + 2 * query bit 0 + 4 * (query >> 3).
     # The word tile is (key >> 4, key & 7, (query >> 1) & 3), in the order of the consumer's threads.
     # KEEP_TILE6 is the score tile as (key >> 4, key bit 3, key & 7, query >> 3, (query >> 1) & 3, query bit 0): the
@@ -126,7 +126,7 @@ if AVAILABLE:
     KEEP_QUERY0 = gl.constexpr(gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
         3, gl.SliceLayout(4, KEEP_TILE6))))))
     # the drawer's tile: (key >> 4, (key >> 1) & 3, (query >> 1) & 3), the pairs of consumer threads that differ in
-    # key bit 0 only, two per lane of its one warp
+    # key bit 0 only, one per lane of its two warps
     KEEP_DRAW = gl.constexpr(gl.BlockedLayout([1, 1, 1], [2, 4, 4], [2, 1, 1], [2, 1, 0]))
     KEEP_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))  # a slot's (4, 8, 4) words, row-major
 
@@ -154,9 +154,9 @@ if AVAILABLE:
         """Consumer WG's keep words, step by step, into its ring of STAGES slots (`keep_full` / `keep_empty`),
         drawn by common.dropout_keep's counters so that the bits are the forward's: a Philox call decides the eight
         pairs that differ in query bit 3 and key bits 0 and 3, i.e. four decisions for each of two consumer threads
-        (key bit 0 is a lane bit of the transposed tile), so each of this warp's lanes runs the calls of two such
-        thread pairs, eight calls a pair (query bits 0, 4, 5), and writes four words. Its own warp, so that the
-        integer work runs beside the consumers' matmuls and softmax instead of inside them (NOTES.md v51)."""
+        (key bit 0 is a lane bit of the transposed tile), so each lane of the drawer's two warps runs the eight
+        calls of one such thread pair (query bits 0, 4, 5) and writes the pair's two words. Warps of its own, so that
+        the integer work runs beside the consumers' matmuls and softmax instead of inside them (NOTES.md v51)."""
         (keep_bufs, keep_full, keep_empty, SEED_OFFSET, dropout_p, off_b, nheads, off_h0, seqlen_q, seqlen_k, n0,
          m_lo, m_end, total) = args
         key0 = n0 + WG * HALF_N
@@ -228,8 +228,9 @@ if AVAILABLE:
         """Step i of a consumer: query block m0 of GQA head g into dK and dV. MASK: 0 none, 1 the causal mask, 2
         the causal mask where the step crosses the diagonal (a branch per step). FUSED_DQ: dQ's share of the step
         too (`_fused_dq`; dq_parts its buffers and barriers, else unused). DROPOUT: the step's keep word from the
-        drawer (keep_parts: the rings of keep words and their barriers, and 1 / (1 - p)); dV sums the kept Pᵀ dO unscaled (`_consumer`
-        scales it once at the end), and dS = P (Z dP / (1 - p) - delta). Its slots are WG * STAGES + the stage."""
+        drawer (keep_parts: the rings of keep words, consumer WG's slots WG * STAGES + the stage, their barriers, and
+        1 / (1 - p)); dV sums the kept Pᵀ dO unscaled (`_consumer` scales it once at the end), and
+        dS = P (Z dP / (1 - p) - delta)."""
         dtype: gl.constexpr = q_bufs.dtype
         s = i % STAGES
         alibi_log2 = head_slope_log2(ALIBI_SLOPES, alibi_base + g, ALIBI)  # the step's query head's slope
@@ -508,7 +509,7 @@ if AVAILABLE:
                 (_producer, (producer_args, BLOCK_M, STAGES)),
                 (_dq_reducer, (reducer_args, BLOCK_M)),
             ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
-        elif DROPOUT:  # a drawer warp per consumer, each with its consumer's keys
+        elif DROPOUT:  # a drawer partition (two warps) per consumer, each with its consumer's keys
             nheads = nheads_k * group_size
             drawer_args = (keep_bufs, keep_full, keep_empty, SEED_OFFSET, dropout_p, off_b, nheads, off_h0, seqlen_q,
                            seqlen_k, n0, m_lo, m_end, total)
@@ -568,8 +569,8 @@ def lse_first(headdim: int) -> bool:
 
 
 def worker_registers(dropout: bool) -> int:
-    """The setmaxnreg count of the third warpgroup, which holds the producer warp (and the reducer and drawer warps):
-    setmaxnreg applies to a whole warpgroup, so they share it."""
+    """The setmaxnreg count of the warpgroups after the consumers', which hold the producer warp and the reducer or
+    drawer warps (and padding): setmaxnreg applies to a whole warpgroup, so they share it."""
     return DRAWER_REGISTERS if dropout else PRODUCER_REGISTERS
 
 
@@ -579,7 +580,8 @@ def consumer_registers(headdim: int, dropout: bool = False) -> int:
     launched with (`default_consumer_registers`): at 240 both consumers hold 240. At head dim 128 that took ptxas's
     spills from 12 B to 0 (32 to 16 B causal) against 232 / 248, with GPU kernel time within 2% (H100: the 1B shape
     0.134 -> 0.131 ms, GQA n2048 0.420 -> 0.427; NOTES.md v44); head dim 64 spills nothing either way and keeps
-    232. With dropout the drawers' warpgroup takes DRAWER_REGISTERS, and the consumers split the rest evenly."""
+    232. With dropout (16 warps of MAXNREG_DROPOUT) the producer's and the drawers' two warpgroups take
+    DRAWER_REGISTERS each, and the consumers split the rest evenly (232 each)."""
     if dropout:
         return (4 * MAXNREG_DROPOUT - 2 * worker_registers(True)) // 16 * 8
     return 240 if headdim > 64 else 232
@@ -587,7 +589,8 @@ def consumer_registers(headdim: int, dropout: bool = False) -> int:
 
 def default_consumer_registers(consumer: int, dropout: bool = False) -> int:
     """The default partition's consumer's registers a thread: its warpgroup's share of the three warpgroups'
-    MAXNREG each, less the worker consumer's and the third warpgroup's (`worker_registers`)."""
+    MAXNREG each (four of MAXNREG_DROPOUT with dropout), less the worker consumer's and the others'
+    (`worker_registers`)."""
     if dropout:
         return 4 * MAXNREG_DROPOUT - consumer - 2 * worker_registers(True)
     return 3 * MAXNREG - consumer - worker_registers(False)
