@@ -332,22 +332,32 @@ def test_gluon_dq_grid_forms_dropout_match_float64_bf16(persistent, monkeypatch)
 
 def _check_gluon_dq_dropout(case, monkeypatch):
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, p, alibi = case
+    calls = _check_dropout_launches((batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim), torch.bfloat16, causal, p,
+                                    alibi, [(hopper_fwd, "attn_fwd"), (hopper_dq, "attn_bwd_dq")],
+                                    dict(gluon_fwd=True, gluon_dq=True, atomic_dq=False), monkeypatch)
+    assert calls == [("attn_bwd_dq", p)]
+
+
+def _check_dropout_launches(shape, dtype, causal, p, alibi, launches, overrides, monkeypatch):
+    """One dropout call under kernel_config.override(**overrides) against float64 with the pattern the separate
+    dropout_mask kernel writes; returns the (launcher, dropout_p) calls made of `launches` ((module, name) pairs)."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = shape
     calls = []
-    for module, name in ((hopper_fwd, "attn_fwd"), (hopper_dq, "attn_bwd_dq")):
+    for module, name in launches:
         launch = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _launch=launch, _name=name, **kw: calls.append(
             (_name, kw.get("dropout_p"))) or _launch(*a, **kw))
     torch.manual_seed(0)
-    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, torch.bfloat16, device="cuda")
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, device="cuda")
     kwargs = {"dropout_p": p, "causal": causal}
     if alibi:
         kwargs["alibi_slopes"] = _geometric_slopes(batch, nheads)
-    with kernel_config.override(gluon_fwd=True, gluon_dq=True, atomic_dq=False):
+    with kernel_config.override(**overrides):
         out, _, pattern = flashpatch.flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
-    assert calls == [("attn_bwd_dq", p)]
     check_against_reference(out, grads, q, k, v, dout, dropout_keep=pattern > 0, **kwargs)
+    return calls
 
 
 @needs_gluon
@@ -365,22 +375,10 @@ def test_gluon_dkdv_dropout_matches_float64(case, monkeypatch):
     # (hopper_dkdv._keep_drawer, _keep_tile): the pattern that the separate dropout_mask kernel writes must be the one
     # it applied, with the Gluon dQ pass beside it (the forward is the Triton kernel's)
     batch, seqlen_q, seqlen_k, nheads, nheads_k, causal, p, alibi, dtype = case
-    calls = []
-    for module, name in ((hopper_dkdv, "attn_bwd_dkdv"), (hopper_dq, "attn_bwd_dq")):
-        launch = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _launch=launch, _name=name, **kw: calls.append(
-            (_name, kw.get("dropout_p"))) or _launch(*a, **kw))
-    torch.manual_seed(0)
-    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, 128, dtype, device="cuda")
-    kwargs = {"dropout_p": p, "causal": causal}
-    if alibi:
-        kwargs["alibi_slopes"] = _geometric_slopes(batch, nheads)
-    with kernel_config.override(gluon_dkdv=True, gluon_dq=True, atomic_dq=False, fused_dq=False):
-        out, _, pattern = flashpatch.flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
-        dout = torch.randn_like(out)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
+    calls = _check_dropout_launches((batch, seqlen_q, seqlen_k, nheads, nheads_k, 128), dtype, causal, p, alibi,
+                                    [(hopper_dkdv, "attn_bwd_dkdv"), (hopper_dq, "attn_bwd_dq")],
+                                    dict(gluon_dkdv=True, gluon_dq=True, atomic_dq=False, fused_dq=False), monkeypatch)
     assert sorted(calls) == [("attn_bwd_dkdv", p), ("attn_bwd_dq", p)]
-    check_against_reference(out, grads, q, k, v, dout, dropout_keep=pattern > 0, **kwargs)
 
 
 def test_misaligned_layout_falls_back_to_pointer_tiles_bf16():
