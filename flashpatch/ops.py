@@ -223,7 +223,8 @@ def _launch_configs(q: torch.Tensor, k: torch.Tensor, varlen: bool, max_seqlen_q
                     window_left: int, window_right: int, dropout_p: float) -> kernel_config.KernelConfigs:
     """config.py's launch settings for one call, forward or backward: the same inputs pick the same settings."""
     headdim = q.shape[-1]
-    long_keys = _mean_keys_seen(max_seqlen_q, max_seqlen_k, window_left, window_right) >= kernel_config.LONG_KEYS
+    long_from = kernel_config.LONG_KEYS_DROPOUT if dropout_p > 0 else kernel_config.LONG_KEYS
+    long_keys = _mean_keys_seen(max_seqlen_q, max_seqlen_k, window_left, window_right) >= long_from
     return kernel_config.configs_for(headdim, q.is_cuda, window_left >= 0 or window_right >= 0, dropout_p > 0,
                                      _aligned(varlen, headdim, max_seqlen_q, max_seqlen_k),
                                      max_seqlen_q <= kernel_config.SHORT, q.shape[-2] != k.shape[-2], long_keys)
@@ -387,10 +388,10 @@ def attn_bwd_impl(
     gluon_scope = dict(varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
                        window_right=window_right, softcap=softcap, dropout_p=dropout_p)
     gluon_dkdv = cfgs.gluon_dkdv and hopper_dkdv.supported(q, k, v, dout, **gluon_scope)
-    fuses_dq = hopper_dkdv.fuses_dq(headdim, dropout_p > 0)  # whether the Gluon dK/dV could add dQ itself
+    fuses_dq = hopper_dkdv.fuses_dq(headdim)  # whether the Gluon dK/dV could add dQ itself
     fused_dq = not deterministic and cfgs.fused_dq and gluon_dkdv and fuses_dq
     # config's atomic dQ is the Triton dK/dV's, taken with dropout to spare the dQ pass its second draw; where the
-    # Gluon dK/dV draws the bits (v51) the separate pass beside it is faster (NOTES.md v51)
+    # Gluon dK/dV draws the bits (v51) its fused dQ or the separate pass beside it is faster (NOTES.md v51, v52)
     gluon_draws = gluon_dkdv and dropout_p > 0
     atomic_dq = (cfgs.atomic_dq and not deterministic and not gluon_draws) or fused_dq
     # fp32 accumulator for atomic dQ; otherwise dQ gets its own pass and the pointer is unused.

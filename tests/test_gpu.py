@@ -370,15 +370,17 @@ def _check_dropout_launches(shape, dtype, causal, p, alibi, launches, overrides,
     (1, 2048, 2048, 2, 2, True, 0.5, False, torch.bfloat16),
 ], ids=lambda c: (f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-{'causal' if c[5] else 'full'}-p{c[6]}"
                   + ("-alibi" if c[7] else "") + f"-{str(c[8]).split('.')[-1]}"))
-def test_gluon_dkdv_dropout_matches_float64(case, monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["dq_pass", "fused_dq"])
+def test_gluon_dkdv_dropout_matches_float64(case, fused, monkeypatch):
     # The Gluon dK/dV takes its keep bits from drawer warps as one packed word per consumer thread
     # (hopper_dkdv._keep_drawer, _keep_tile): the pattern that the separate dropout_mask kernel writes must be the one
-    # it applied, with the Gluon dQ pass beside it (the forward is the Triton kernel's)
+    # it applied, with the Gluon dQ pass beside it or dQ added by the kernel itself, whose dS carries the bits (the
+    # forward is the Triton kernel's)
     batch, seqlen_q, seqlen_k, nheads, nheads_k, causal, p, alibi, dtype = case
     calls = _check_dropout_launches((batch, seqlen_q, seqlen_k, nheads, nheads_k, 128), dtype, causal, p, alibi,
                                     [(hopper_dkdv, "attn_bwd_dkdv"), (hopper_dq, "attn_bwd_dq")],
-                                    dict(gluon_dkdv=True, gluon_dq=True, atomic_dq=False, fused_dq=False), monkeypatch)
-    assert sorted(calls) == [("attn_bwd_dkdv", p), ("attn_bwd_dq", p)]
+                                    dict(gluon_dkdv=True, gluon_dq=True, atomic_dq=False, fused_dq=fused), monkeypatch)
+    assert sorted(calls) == [("attn_bwd_dkdv", p)] + ([] if fused else [("attn_bwd_dq", p)])
 
 
 def test_misaligned_layout_falls_back_to_pointer_tiles_bf16():

@@ -208,20 +208,18 @@ def test_gluon_dkdv_refuses_a_dq_buffer_it_cannot_add_into(headdim, accum_dtype,
                                   dq_accum=accum)
 
 
-@pytest.mark.parametrize("headdim,with_accum,with_seed", [(64, False, True), (128, True, True), (128, False, False)],
-                         ids=["d64", "with_dq_buffer", "no_seed_offset"])
-def test_gluon_dkdv_refuses_dropout_it_cannot_draw(headdim, with_accum, with_seed):
-    # the drawer warps (hopper_dkdv._keep_drawer) serve head dim 128 without the fused dQ, from a (seed, offset)
-    # tensor; a call outside that is refused naming the values, before a descriptor is built
+@pytest.mark.parametrize("headdim,with_seed", [(64, True), (128, False)], ids=["d64", "no_seed_offset"])
+def test_gluon_dkdv_refuses_dropout_it_cannot_draw(headdim, with_seed):
+    # the drawer warps (hopper_dkdv._keep_drawer) serve head dim 128, from a (seed, offset) tensor; a call outside
+    # that is refused naming the values, before a descriptor is built
     from flashpatch.kernels import hopper_dkdv
 
     q, k, v = random_qkv(1, 17, 17, 2, 1, headdim, torch.float16, requires_grad=False)
     lse = torch.zeros(1, 2, 17)
-    accum = torch.zeros(q.shape, dtype=torch.float32) if with_accum else None
     seed_offset = torch.zeros(2, dtype=torch.int64) if with_seed else None
-    with pytest.raises(ValueError, match="dropout_p=0.1|at head dim 64|seed_offset=None"):
+    with pytest.raises(ValueError, match="at head dim 64 with seed_offset=tensor|at head dim 128 with seed_offset=None"):
         hopper_dkdv.attn_bwd_dkdv(q, k, v, q, lse, lse.clone(), k.clone(), v.clone(), 1.0, 1.0, True,
-                                  dq_accum=accum, seed_offset=seed_offset, dropout_p=0.1)
+                                  seed_offset=seed_offset, dropout_p=0.1)
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (1, 17), (17, 1), (113, 113), (45, 70), (70, 45), (5, 1023)])
@@ -236,9 +234,11 @@ def test_mean_keys_seen_counts_the_mask(seqlen_q, seqlen_k, window):
 
 
 def test_ops_tell_config_whether_keys_are_long(configs_for_calls, monkeypatch):
-    # LONG_KEYS lowered to 40: 33 queries see 40 keys each without a mask; under the causal mask 40 - 16 = 24
+    # LONG_KEYS lowered to 40: 33 queries see 40 keys each without a mask; under the causal mask 40 - 16 = 24, long
+    # with dropout, where LONG_KEYS_DROPOUT (lowered to 24) counts
     monkeypatch.setattr(kernel_config, "LONG_KEYS", 40)
-    for kwargs, long_keys in (({}, True), ({"causal": True}, False)):
+    monkeypatch.setattr(kernel_config, "LONG_KEYS_DROPOUT", 24)
+    for kwargs, long_keys in (({}, True), ({"causal": True}, False), ({"causal": True, "dropout_p": 0.1}, True)):
         configs_for_calls.clear()
         q, k, v = random_qkv(1, 33, 40, 2, 1, 32, torch.float32)
         flashpatch.flash_attn_func(q, k, v, **kwargs).sum().backward()

@@ -54,7 +54,10 @@ class KernelConfigs:
     # concurrent separate pass -> fused): the fp32 buffer's zeroing and conversion cost per dQ element and the two
     # saved matmuls per key seen, so it wins with a query's mean keys seen (`long_keys`): full n2048 / 4096 /
     # 8192 / 16384 -3 / -9 / -10 / -11%, causal n4096 / 8192 / 16384 -1 / -6 / -10%, GQA 16/4 full n4096 -6%,
-    # causal n8192 -4%; and loses below 2048 (causal n2048 +5%, GQA n2048 +12%, the 1B shape +31%).
+    # causal n8192 -4%; and loses below 2048 (causal n2048 +5%, GQA n2048 +12%, the 1B shape +31%). With dropout
+    # the separate pass draws every keep bit a second time, so the fused dQ wins from fewer keys on (round 33,
+    # NOTES.md v52, the same measure against the separate pass beside the Gluon dK/dV: GQA 16/4 causal n2048 -16%,
+    # causal n2048 -18%, n8192 -24%, full n4096 -29%): `long_keys` then counts from LONG_KEYS_DROPOUT.
     fused_dq: bool = False
     # The forwards' softmax with the scale folded into the exponent: the row max over the raw scores, then
     # exp2(qk * scale - max) as one fused multiply-add per score instead of a multiply and a subtraction
@@ -66,6 +69,7 @@ _OVERRIDE: dict = {}
 ALIGN = 128  # every block size below is a power of two up to this (ops._aligned)
 SHORT = 1024  # query lengths up to this count as short (configs_for's `short`)
 LONG_KEYS = 2048  # a query's mean keys seen from this on count as long (configs_for's `long_keys`)
+LONG_KEYS_DROPOUT = 1024  # the same with dropout (KernelConfigs.fused_dq: measured from 1024 on)
 
 
 def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool = False,
@@ -91,7 +95,8 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
     (v10); some tiles win only then and lose on varlen batches (scripts/tune_varlen.py, NOTES.md v12-v15).
     `short`: at most SHORT queries, where a grid of 128-row tiles leaves too few programs to fill the SMs evenly.
     `grouped`: GQA/MQA (fewer K/V heads than query heads), where the dK/dV kernel loops over each K/V head's group.
-    `long_keys`: a query sees LONG_KEYS keys or more on average (ops._mean_keys_seen), where the fused dQ wins.
+    `long_keys`: a query sees LONG_KEYS (with dropout LONG_KEYS_DROPOUT) keys or more on average
+    (ops._mean_keys_seen), where the fused dQ wins.
 
     The separate dQ pass beat atomic dQ in every measured case (e.g. d128 n8192 causal: 253 vs 232 TFLOP/s
     backward; round 4: 290 vs 246 with TMA bulk reduce-add) but one, so it is the default, which also makes the

@@ -125,6 +125,12 @@ if AVAILABLE:
         4, gl.SliceLayout(5, KEEP_TILE6))))))
     KEEP_QUERY0 = gl.constexpr(gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
         3, gl.SliceLayout(4, KEEP_TILE6))))))
+    KEEP_KEY_HI = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(
+        4, gl.SliceLayout(5, KEEP_TILE6))))))
+    KEEP_KEY_LO = gl.constexpr(gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(
+        4, gl.SliceLayout(5, KEEP_TILE6))))))
+    KEEP_QUERY_MID = gl.constexpr(gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
+        3, gl.SliceLayout(5, KEEP_TILE6))))))
     # the drawer's tile: (key >> 4, (key >> 1) & 3, (query >> 1) & 3), the pairs of consumer threads that differ in
     # key bit 0 only, one per lane of its two warps
     KEEP_DRAW = gl.constexpr(gl.BlockedLayout([1, 1, 1], [2, 4, 4], [2, 1, 1], [2, 1, 0]))
@@ -142,6 +148,23 @@ if AVAILABLE:
         return gl.convert_layout(bits, like.type.layout, assert_trivial=True) != 0
 
     @gluon.jit
+    def _visible_tile(like, limit):
+        """The causal mask of the step's (HALF_N, BLOCK_M) tile in the layout of `like`: key j visible from query i
+        when j - i <= limit (the step's m0 + shift - key0). Written in KEEP_TILE6's dimensions, j - i is one value
+        per thread (its lane's and warp's bits) plus a constant per register, so the mask holds no index tile in
+        registers (with dropout, `_causal_mask`'s spilled)."""
+        key_hi = gl.arange(0, 4, layout=KEEP_KEY_HI)[:, None, None, None, None, None]
+        key_lo = gl.arange(0, 8, layout=KEEP_KEY_LO)[None, None, :, None, None, None]
+        query_mid = gl.arange(0, 4, layout=KEEP_QUERY_MID)[None, None, None, None, :, None]
+        key3 = gl.arange(0, 2, layout=KEEP_KEY3)[None, :, None, None, None, None]
+        query_hi = gl.arange(0, 8, layout=KEEP_QUERY_HI)[None, None, None, :, None, None]
+        query0 = gl.arange(0, 2, layout=KEEP_QUERY0)[None, None, None, None, None, :]
+        lane_part = key_hi * 16 + key_lo - 2 * query_mid - limit  # (4, 1, 8, 1, 4, 1): one value a thread
+        visible = (lane_part + (8 * key3 - 8 * query_hi - query0)) <= 0
+        visible = gl.reshape(visible, [like.shape[0], like.shape[1]])
+        return gl.convert_layout(visible, like.type.layout, assert_trivial=True)
+
+    @gluon.jit
     def _pack_word(lo, hi, r, threshold, pos):
         """Decisions of one Philox output word into the two threads' words: low half key bit 0 = 0, high half 1."""
         lo |= ((r & 0xFFFF) >= threshold).to(gl.uint32) << pos
@@ -149,9 +172,8 @@ if AVAILABLE:
         return lo, hi
 
     @gluon.jit
-    def _keep_drawer(args, WG: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, STAGES: gl.constexpr,
-                     PHILOX: gl.constexpr):
-        """Consumer WG's keep words, step by step, into its ring of STAGES slots (`keep_full` / `keep_empty`),
+    def _keep_drawer(args, WG: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, PHILOX: gl.constexpr):
+        """Consumer WG's keep words, step by step, into its ring of slots (`keep_full` / `keep_empty`),
         drawn by common.dropout_keep's counters so that the bits are the forward's: a Philox call decides the eight
         pairs that differ in query bit 3 and key bits 0 and 3, i.e. four decisions for each of two consumer threads
         (key bit 0 is a lane bit of the transposed tile), so each lane of the drawer's two warps runs the eight
@@ -159,6 +181,7 @@ if AVAILABLE:
         the integer work runs beside the consumers' matmuls and softmax instead of inside them (NOTES.md v51)."""
         (keep_bufs, keep_full, keep_empty, SEED_OFFSET, dropout_p, off_b, nheads, off_h0, seqlen_q, seqlen_k, n0,
          m_lo, m_end, total) = args
+        SLOTS: gl.constexpr = keep_bufs.shape[0] // 2  # each consumer's
         key0 = n0 + WG * HALF_N
         seed, offset = dropout_seed_offset(SEED_OFFSET, True)
         threshold = dropout_threshold(dropout_p)
@@ -184,9 +207,9 @@ if AVAILABLE:
                 lo, hi = _pack_word(lo, hi, r2, threshold, pos + 4)
                 lo, hi = _pack_word(lo, hi, r3, threshold, pos + 5)
             words = gl.reshape(gl.permute(gl.join(lo, hi), [0, 1, 3, 2]), [4, 8, 4])  # key & 7 = 2 * mid + bit 0
-            s = WG * STAGES + i % STAGES
+            s = WG * SLOTS + i % SLOTS
             # a fresh mbarrier counts as having completed the phase before 0, so the first lap does not wait
-            mbarrier.wait(keep_empty.index(s), ((i // STAGES) & 1) ^ 1)
+            mbarrier.wait(keep_empty.index(s), ((i // SLOTS) & 1) ^ 1)
             keep_bufs.index(s).store(words.to(gl.int32, bitcast=True))
             gl.thread_barrier()  # every lane's word written before the consumer is told
             mbarrier.arrive(keep_full.index(s))
@@ -228,8 +251,8 @@ if AVAILABLE:
         """Step i of a consumer: query block m0 of GQA head g into dK and dV. MASK: 0 none, 1 the causal mask, 2
         the causal mask where the step crosses the diagonal (a branch per step). FUSED_DQ: dQ's share of the step
         too (`_fused_dq`; dq_parts its buffers and barriers, else unused). DROPOUT: the step's keep word from the
-        drawer (keep_parts: the rings of keep words, consumer WG's slots WG * STAGES + the stage, their barriers, and
-        1 / (1 - p)); dV sums the kept Pᵀ dO unscaled (`_consumer` scales it once at the end), and
+        drawer (keep_parts: the rings of keep words, consumer WG's slots WG * KEEP_SLOTS + the step's, their
+        barriers, and 1 / (1 - p)); dV sums the kept Pᵀ dO unscaled (`_consumer` scales it once at the end), and
         dS = P (Z dP / (1 - p) - delta)."""
         dtype: gl.constexpr = q_bufs.dtype
         s = i % STAGES
@@ -246,14 +269,16 @@ if AVAILABLE:
             delta = delta_bufs.index(s).load(row_layout)
         if DROPOUT:  # read under the two matmuls
             keep_bufs, keep_full, keep_empty, keep_scale = keep_parts
-            mbarrier.wait(keep_full.index(WG * STAGES + s), (i // STAGES) & 1)
-            word = keep_bufs.index(WG * STAGES + s).load(KEEP_WORDS)
+            KEEP_SLOTS: gl.constexpr = keep_bufs.shape[0] // 2  # each consumer's: STAGES, or 1 with the fused dQ
+            keep_slot = WG * KEEP_SLOTS + i % KEEP_SLOTS
+            mbarrier.wait(keep_full.index(keep_slot), (i // KEEP_SLOTS) & 1)
+            word = keep_bufs.index(keep_slot).load(KEEP_WORDS)
         s_t = warpgroup_mma_wait(1, deps=(s_t, ))
         # the previous step's stage can be refilled: its matmuls were waited for at the end of that step (and the
         # warpgroup's matmul issue is aligned: every warp has read that step's keep word too)
         mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
-        if DROPOUT:
-            mbarrier.arrive(keep_empty.index(WG * STAGES + (i + STAGES - 1) % STAGES), pred=i > 0)
+        if DROPOUT and not FUSED_DQ:
+            mbarrier.arrive(keep_empty.index(WG * KEEP_SLOTS + (i + KEEP_SLOTS - 1) % KEEP_SLOTS), pred=i > 0)
         scores_t = s_t * qk_scale  # log2 units
         if ALIBI:
             scores_t += alibi_bias(alibi_log2, (m0 + shift) + offs_m[None, :], offs_n[:, None])
@@ -262,7 +287,10 @@ if AVAILABLE:
             p_t = _causal_mask(p_t, offs_n, offs_m, m0 + shift)
         elif MASK == 2:  # only the steps that cross the diagonal hide any of the warpgroup's keys
             if key0 + HALF_N - 1 > m0 + shift:
-                p_t = _causal_mask(p_t, offs_n, offs_m, m0 + shift)
+                if DROPOUT:
+                    p_t = gl.where(_visible_tile(zero_s, m0 + shift - key0), p_t, 0.0)
+                else:
+                    p_t = _causal_mask(p_t, offs_n, offs_m, m0 + shift)
         if DROPOUT:
             keep = _keep_tile(word, zero_s)
             dv = warpgroup_mma(gl.convert_layout(gl.where(keep, p_t, 0.0).to(dtype), a_layout), do_s, dv,
@@ -272,7 +300,8 @@ if AVAILABLE:
         if LSE_FIRST:  # delta is live from here on only, with LSE no longer needed
             delta = delta_bufs.index(s).load(row_layout)
         dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
-        if DROPOUT:
+        if DROPOUT:  # the keep tile again from the word, reread: 32 values live across dV's issue spilled
+            keep = _keep_tile(keep_bufs.index(keep_slot).load(KEEP_WORDS), zero_s)
             ds_t = p_t * (gl.where(keep, dp_t * keep_scale, 0.0) - delta[None, :])
         else:
             ds_t = p_t * (dp_t - delta[None, :])
@@ -280,6 +309,8 @@ if AVAILABLE:
             ds_bf = ds_t.to(dtype)
             dk = warpgroup_mma(gl.convert_layout(ds_bf, a_layout), q_s, dk, is_async=True)
             dk, dv = _fused_dq(i, ds_bf, dk, dv, dq_parts, WG)
+            if DROPOUT:  # every warp has passed `_fused_dq`'s partition barriers, so every word was read: one slot
+                mbarrier.arrive(keep_empty.index(keep_slot))
         else:
             dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_s, dk, is_async=True)
             dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))  # not carried into the next step: see the docstring
@@ -470,15 +501,19 @@ if AVAILABLE:
             dq_parts = (ds_bufs, dq_bufs, ds_full, dq_full, dq_empty, k_smem, softmax_scale)
         else:
             dq_parts = 0
-        if DROPOUT:  # each consumer's ring of keep words (`_keep_drawer`)
-            gl.static_assert(BLOCK_M == 64 and HALF_N == 64 and not FUSED_DQ, "the keep words are laid out for 64 x 64")
-            keep_bufs = gl.allocate_shared_memory(gl.int32, [2 * STAGES, 4, 8, 4], KEEP_SHARED)
-            keep_full = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
-            keep_empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
-            for s in gl.static_range(2 * STAGES):
+        if DROPOUT:  # each consumer's ring of keep words (`_keep_drawer`): one slot with the fused dQ (`_step`)
+            gl.static_assert(BLOCK_M == 64 and HALF_N == 64, "the keep words are laid out for 64 x 64")
+            KEEP_SLOTS: gl.constexpr = 1 if FUSED_DQ else STAGES
+            keep_bufs = gl.allocate_shared_memory(gl.int32, [2 * KEEP_SLOTS, 4, 8, 4], KEEP_SHARED)
+            keep_full = gl.allocate_shared_memory(gl.int64, [2 * KEEP_SLOTS, 1], mbarrier.MBarrierLayout())
+            keep_empty = gl.allocate_shared_memory(gl.int64, [2 * KEEP_SLOTS, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(2 * KEEP_SLOTS):
                 mbarrier.init(keep_full.index(s), count=1)  # the drawer's
                 mbarrier.init(keep_empty.index(s), count=1)  # the consumer's
-            keep_parts = (keep_bufs, keep_full, keep_empty, 1.0 / (1.0 - dropout_p))  # consumer w's slots: w * STAGES..
+            keep_parts = (keep_bufs, keep_full, keep_empty, 1.0 / (1.0 - dropout_p))
+            nheads = nheads_k * group_size
+            drawer_args = (keep_bufs, keep_full, keep_empty, SEED_OFFSET, dropout_p, off_b, nheads, off_h0, seqlen_q,
+                           seqlen_k, n0, m_lo, m_end, total)
         else:
             keep_parts = 0
         fence_async_shared()
@@ -501,6 +536,18 @@ if AVAILABLE:
         if FUSED_DQ:  # a fourth partition, the reducer warp
             reducer_args = (dq_desc, dq_bufs, dq_full, dq_empty, off_b * dq_rows[0] + off_h0 * dq_rows[1], dq_rows[1],
                             off_h0 * dq_cols, dq_cols, m_lo, m_end, total)
+        if FUSED_DQ and DROPOUT:
+            gl.warp_specialize([
+                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
+                             STAGES, ALIBI, REG_KV, LSE_FIRST, True, True)),
+                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
+                             STAGES, ALIBI, REG_KV, LSE_FIRST, True, True)),
+                (_producer, (producer_args, BLOCK_M, STAGES)),
+                (_dq_reducer, (reducer_args, BLOCK_M)),
+                (_keep_drawer, (drawer_args, 0, BLOCK_M, HALF_N, DRAW_PHILOX)),
+                (_keep_drawer, (drawer_args, 1, BLOCK_M, HALF_N, DRAW_PHILOX)),
+            ], [4, 1, 1, 2, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+        elif FUSED_DQ:
             gl.warp_specialize([
                 (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, 0, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES,
                              ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, False)),
@@ -510,17 +557,14 @@ if AVAILABLE:
                 (_dq_reducer, (reducer_args, BLOCK_M)),
             ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
         elif DROPOUT:  # a drawer partition (two warps) per consumer, each with its consumer's keys
-            nheads = nheads_k * group_size
-            drawer_args = (keep_bufs, keep_full, keep_empty, SEED_OFFSET, dropout_p, off_b, nheads, off_h0, seqlen_q,
-                           seqlen_k, n0, m_lo, m_end, total)
             gl.warp_specialize([
                 (_consumer, (consumer_args, ALIBI_SLOPES, 0, keep_parts, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES,
                              ALIBI, REG_KV, LSE_FIRST, False, True)),
                 (_consumer, (consumer_args, ALIBI_SLOPES, 0, keep_parts, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES,
                              ALIBI, REG_KV, LSE_FIRST, False, True)),
                 (_producer, (producer_args, BLOCK_M, STAGES)),
-                (_keep_drawer, (drawer_args, 0, BLOCK_M, HALF_N, STAGES, DRAW_PHILOX)),
-                (_keep_drawer, (drawer_args, 1, BLOCK_M, HALF_N, STAGES, DRAW_PHILOX)),
+                (_keep_drawer, (drawer_args, 0, BLOCK_M, HALF_N, DRAW_PHILOX)),
+                (_keep_drawer, (drawer_args, 1, BLOCK_M, HALF_N, DRAW_PHILOX)),
             ], [4, 1, 2, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
@@ -602,12 +646,12 @@ def launch_maxnreg(dropout: bool) -> int:
     return MAXNREG_DROPOUT if dropout else MAXNREG
 
 
-def fuses_dq(headdim: int, dropout: bool = False) -> bool:
+def fuses_dq(headdim: int) -> bool:
     """Whether the kernel can add dQ into an fp32 buffer itself (`_fused_dq`, `_dq_reducer`): head dim 128, where
-    K is read from shared memory (at 64 it is held in registers, `register_kv`), without dropout (the shared memory
-    is full: 230,928 of 232,448 B, and the keep words' ring needs 2 KB), and a Triton whose Gluon can issue TMA
-    reduce-adds (hopper_common.TMA_REDUCE)."""
-    return TMA_REDUCE and not register_kv(headdim) and not dropout
+    K is read from shared memory (at 64 it is held in registers, `register_kv`), and a Triton whose Gluon can issue
+    TMA reduce-adds (hopper_common.TMA_REDUCE). With dropout too: the keep words' ring then has one slot per
+    consumer (1 KB; the shared memory is all but full), released once the step's dS is shared (`_step`)."""
+    return TMA_REDUCE and not register_kv(headdim)
 
 
 def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_scale: float, causal: bool,
@@ -616,14 +660,13 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     lse, delta: (B, H, Sq) fp32 (natural-log LSE); qk_scale = softmax_scale * log2(e); alibi_slopes: None or
     float32 (H,) / (B, H). dq_accum: None, or a zeroed fp32 (B, Sq, H, D) that dQ is added into (where `fuses_dq`;
     not deterministic: the key blocks' reduce-adds land in any order). dropout_p > 0: the forward's keep bits, drawn
-    from seed_offset (ops.draw_seed_offset's int64 (seed, offset)); head dim 128, without dq_accum."""
+    from seed_offset (ops.draw_seed_offset's int64 (seed, offset)); head dim 128."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     fused = dq_accum is not None
     dropout = dropout_p > 0
-    if fused and not fuses_dq(headdim, dropout):
-        raise ValueError(f"the Gluon dK/dV adds dQ itself only where fuses_dq (head dim 128, no dropout), not at head "
-                         f"dim {headdim} with dropout_p={dropout_p}")
+    if fused and not fuses_dq(headdim):
+        raise ValueError(f"the Gluon dK/dV adds dQ itself only where fuses_dq (head dim 128), not at {headdim}")
     if dropout and (headdim != 128 or seed_offset is None):
         raise ValueError(f"the Gluon dK/dV draws dropout at head dim 128 from a seed_offset tensor, not at head dim "
                          f"{headdim} with seed_offset={seed_offset!r}")
