@@ -33,13 +33,16 @@ the other's matmuls (the Triton kernel's CTA barriers forbid that); with it they
 softmaxes. dK and dV are waited for at the end of each step: leaving them in flight into the next made ptxas
 serialize the matmuls (warning C7515) and measured 15-20% slower (NOTES.md v19).
 
-With dropout (head dim 128, without the fused dQ) the keep bits come from warps of their own, so that the Philox
-arithmetic runs beside the consumers' matmuls and softmax rather than inside them (NOTES.md v51):
+With dropout (head dim 128) the keep bits come from warps of their own, so that the Philox arithmetic runs beside
+the consumers' matmuls and softmax rather than inside them (NOTES.md v51, v52):
 
   drawer w (2 warps):    per step, the Philox calls of consumer w's (64 keys, 64 queries) tile, at the counters of
                          common.dropout_keep (the forward's bits), packed into one 32-bit word per consumer thread
-                         and written into a ring of STAGES slots (`keep_full` / `keep_empty`); the consumer turns
-                         its word into the keep tile of its registers (`_keep_tile`). The kernel then runs 16 warps.
+                         and written into a ring of STAGES slots (one with the fused dQ, whose shared memory is
+                         otherwise full; `keep_full` / `keep_empty`); the consumer turns its word into the keep tile
+                         of its registers (`_keep_tile`), and its causal mask comes from lane and register bits
+                         (`_visible_tile`). The kernel then runs 16 warps. With the fused dQ, the dS it multiplies
+                         already carries the keep bits, so a backward draws them once.
 
 The steps run over the query heads of the program's GQA group and, within a head, over the query blocks that see
 the program's keys. Scope, checked by `supported`: dense rows whose lengths divide the tiles, bf16/fp16, head dim
