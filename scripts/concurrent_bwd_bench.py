@@ -40,8 +40,8 @@ SHAPES = {  # name: (batch, seqlen, heads, kv heads, head dim, causal[, dropout 
     "d64c2k": (8, 2048, 12, 4, 64, True),  # configs/llama_125m.yaml's attention
     "d64g4k": (4, 4096, 32, 8, 64, True),
     "d64c4k": (4, 4096, 32, 32, 64, True),
-    "drop2k": (4, 2048, 16, 4, 128, True, 0.1),  # configs/dropout.yaml's attention (GQA: the separate dQ pass)
-    "dropc2k": (8, 2048, 16, 16, 128, True, 0.1),  # no GQA: atomic dQ inside dK/dV, so nothing to overlap
+    "drop2k": (4, 2048, 16, 4, 128, True, 0.1),  # configs/dropout.yaml's attention (GQA 16/4)
+    "dropc2k": (8, 2048, 16, 16, 128, True, 0.1),  # no GQA: the Triton dK/dV's atomic dQ before v51
     "dropc8k": (2, 8192, 16, 16, 128, True, 0.1),  # bench_attention.py's dropout rows
     "dropf4k": (4, 4096, 16, 16, 128, False, 0.1),
     "varlen": (0, 4096, 16, 16, 128, True),  # bench_attention.py's mix: 73 documents of 64..4096, 64k tokens
@@ -56,10 +56,11 @@ VARIANTS = {  # name: (concurrent_dq, hopper_dq.PERSISTENT, other KernelConfigs 
     "concurrent+gluon_dq": (True, None, {"gluon_dq": True, "fused_dq": False}),
     # the Gluon dK/dV where config keeps the Triton one
     "concurrent+gluon_dkdv": (True, None, {"gluon_dkdv": True, "fused_dq": False}),
-    "fused_dq": (False, None, {"fused_dq": True}),
-    # dropout: the Triton dK/dV (before v51), and the separate dQ pass where config takes atomic dQ
+    "fused_dq": (False, None, {"fused_dq": True}),  # d128: dQ added by the Gluon dK/dV itself (hopper_dkdv.fuses_dq)
+    # dropout: the Triton dK/dV (before v51; with config's atomic dQ where it takes it), and the separate dQ pass
+    # beside whichever dK/dV config picks (neither atomic nor fused)
     "concurrent+triton_dkdv": (True, None, {"gluon_dkdv": False, "fused_dq": False}),
-    "concurrent+separate_dq": (True, None, {"atomic_dq": False, "fused_dq": False}),  # d128: dQ added by the Gluon dK/dV itself (hopper_dkdv.fuses_dq)
+    "concurrent+separate_dq": (True, None, {"atomic_dq": False, "fused_dq": False}),
 }
 
 
