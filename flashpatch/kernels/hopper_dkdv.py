@@ -121,31 +121,39 @@ if AVAILABLE:
     # gives each register its bit at a constant position.
     KEEP_TILE6 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2, 1, 8, 1, 2], threads_per_warp=[1, 1, 8, 1, 4, 1],
                                                warps_per_cta=[4, 1, 1, 1, 1, 1], order=[5, 1, 3, 4, 2, 0]))
-    KEEP_WORDS = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(5, KEEP_TILE6))))  # (4, 8, 4)
-    KEEP_KEY3 = gl.constexpr(gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(
-        4, gl.SliceLayout(5, KEEP_TILE6))))))
-    KEEP_QUERY_HI = gl.constexpr(gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
-        4, gl.SliceLayout(5, KEEP_TILE6))))))
-    KEEP_QUERY0 = gl.constexpr(gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
-        3, gl.SliceLayout(4, KEEP_TILE6))))))
-    KEEP_KEY_HI = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(
-        4, gl.SliceLayout(5, KEEP_TILE6))))))
-    KEEP_KEY_LO = gl.constexpr(gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(
-        4, gl.SliceLayout(5, KEEP_TILE6))))))
-    KEEP_QUERY_MID = gl.constexpr(gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
-        3, gl.SliceLayout(5, KEEP_TILE6))))))
+
+    def _kept_dims(parent, dims):
+        """`parent` sliced down to its dimensions `dims`, the others removed from the last: the layout whose tensor
+        `x[...]` with None at those other positions expands back into `parent`."""
+        layout = parent.value
+        for dim in reversed(range(len(layout.size_per_thread))):
+            if dim not in dims:
+                layout = gl.SliceLayout(dim, layout)
+        return gl.constexpr(layout)
+
+    KEEP_WORDS = _kept_dims(KEEP_TILE6, (0, 2, 4))  # (4, 8, 4): one word a thread
+    # each dimension of KEEP_TILE6 alone, for its aranges
+    KEEP_KEY_HI, KEEP_KEY3, KEEP_KEY_LO, KEEP_QUERY_HI, KEEP_QUERY_MID, KEEP_QUERY0 = (
+        _kept_dims(KEEP_TILE6, (dim, )) for dim in range(6))
     # the drawer's tile: (key >> 4, (key >> 1) & 3, (query >> 1) & 3), the pairs of consumer threads that differ in
     # key bit 0 only, one per lane of its two warps
     KEEP_DRAW = gl.constexpr(gl.BlockedLayout([1, 1, 1], [2, 4, 4], [2, 1, 1], [2, 1, 0]))
     KEEP_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))  # a slot's (4, 8, 4) words, row-major
 
     @gluon.jit
-    def _keep_tile(word, like):
-        """The step's (HALF_N, BLOCK_M) keep tile in the layout of `like` (the consumer's Sᵀ) from the consumer
-        thread's word (KEEP_WORDS): each register takes its own bit, at a position known at compile time."""
+    def _register_dims():
+        """KEEP_TILE6's register dimensions as (1, 2, 1, 1, 1, 1), (1, 1, 1, 8, 1, 1), (1, 1, 1, 1, 1, 2) aranges: key
+        bit 3, query >> 3, query bit 0, each value known at compile time in every register."""
         key3 = gl.arange(0, 2, layout=KEEP_KEY3)[None, :, None, None, None, None]
         query_hi = gl.arange(0, 8, layout=KEEP_QUERY_HI)[None, None, None, :, None, None]
         query0 = gl.arange(0, 2, layout=KEEP_QUERY0)[None, None, None, None, None, :]
+        return key3, query_hi, query0
+
+    @gluon.jit
+    def _keep_tile(word, like):
+        """The step's (HALF_N, BLOCK_M) keep tile in the layout of `like` (the consumer's Sᵀ) from the consumer
+        thread's word (KEEP_WORDS): each register takes its own bit, at a position known at compile time."""
+        key3, query_hi, query0 = _register_dims()
         bits = (word[:, None, :, None, :, None] >> (key3 + 2 * query0 + 4 * query_hi)) & 1
         bits = gl.reshape(bits, [like.shape[0], like.shape[1]])
         return gl.convert_layout(bits, like.type.layout, assert_trivial=True) != 0
@@ -159,9 +167,7 @@ if AVAILABLE:
         key_hi = gl.arange(0, 4, layout=KEEP_KEY_HI)[:, None, None, None, None, None]
         key_lo = gl.arange(0, 8, layout=KEEP_KEY_LO)[None, None, :, None, None, None]
         query_mid = gl.arange(0, 4, layout=KEEP_QUERY_MID)[None, None, None, None, :, None]
-        key3 = gl.arange(0, 2, layout=KEEP_KEY3)[None, :, None, None, None, None]
-        query_hi = gl.arange(0, 8, layout=KEEP_QUERY_HI)[None, None, None, :, None, None]
-        query0 = gl.arange(0, 2, layout=KEEP_QUERY0)[None, None, None, None, None, :]
+        key3, query_hi, query0 = _register_dims()
         lane_part = key_hi * 16 + key_lo - 2 * query_mid - limit  # (4, 1, 8, 1, 4, 1): one value a thread
         visible = (lane_part + (8 * key3 - 8 * query_hi - query0)) <= 0
         visible = gl.reshape(visible, [like.shape[0], like.shape[1]])
@@ -539,12 +545,13 @@ if AVAILABLE:
         if FUSED_DQ:  # a fourth partition, the reducer warp
             reducer_args = (dq_desc, dq_bufs, dq_full, dq_empty, off_b * dq_rows[0] + off_h0 * dq_rows[1], dq_rows[1],
                             off_h0 * dq_cols, dq_cols, m_lo, m_end, total)
+        # the partition lists differ by member (warp_specialize takes literal lists); the consumers are alike in each
         if FUSED_DQ and DROPOUT:
             gl.warp_specialize([
                 (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
-                             STAGES, ALIBI, REG_KV, LSE_FIRST, True, True)),
+                             STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
                 (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
-                             STAGES, ALIBI, REG_KV, LSE_FIRST, True, True)),
+                             STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
                 (_producer, (producer_args, BLOCK_M, STAGES)),
                 (_dq_reducer, (reducer_args, BLOCK_M)),
                 (_keep_drawer, (drawer_args, 0, BLOCK_M, HALF_N, DRAW_PHILOX)),
@@ -552,29 +559,29 @@ if AVAILABLE:
             ], [4, 1, 1, 2, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
         elif FUSED_DQ:
             gl.warp_specialize([
-                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, 0, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES,
-                             ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, False)),
-                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, 0, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES,
-                             ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, False)),
+                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
+                             STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
+                             STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
                 (_producer, (producer_args, BLOCK_M, STAGES)),
                 (_dq_reducer, (reducer_args, BLOCK_M)),
             ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
         elif DROPOUT:  # a drawer partition (two warps) per consumer, each with its consumer's keys
             gl.warp_specialize([
-                (_consumer, (consumer_args, ALIBI_SLOPES, 0, keep_parts, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES,
-                             ALIBI, REG_KV, LSE_FIRST, False, True)),
-                (_consumer, (consumer_args, ALIBI_SLOPES, 0, keep_parts, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES,
-                             ALIBI, REG_KV, LSE_FIRST, False, True)),
+                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
+                             STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
+                             STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
                 (_producer, (producer_args, BLOCK_M, STAGES)),
                 (_keep_drawer, (drawer_args, 0, BLOCK_M, HALF_N, DRAW_PHILOX)),
                 (_keep_drawer, (drawer_args, 1, BLOCK_M, HALF_N, DRAW_PHILOX)),
             ], [4, 1, 2, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, 0, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES,
-                             ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, False)),
-                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, 0, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N, STAGES,
-                             ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, False)),
+                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
+                             STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+                (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
+                             STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
                 (_producer, (producer_args, BLOCK_M, STAGES)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
