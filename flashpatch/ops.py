@@ -294,7 +294,8 @@ def attn_fwd_impl(
             q, k, v, varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
             window_right=window_right, softcap=softcap, dropout_p=dropout_p):
         hopper_fwd.attn_fwd(q, k, v, out, lse, _scales(softmax_scale, softcap)[0], causal=window_right == 0,
-                            alibi_slopes=alibi_slopes, fold=cfgs.fold_scale)
+                            alibi_slopes=alibi_slopes, fold=cfgs.fold_scale, seed_offset=seed_offset,
+                            dropout_p=dropout_p)
         return out, lse
     cfg = cfgs.fwd
     tma = cfg.tma and tma_usable(headdim, q, k, v, out)

@@ -75,7 +75,7 @@ SHAPES = {
     "d64c2k": (8, 2048, 2048, 12, 4, 64, True),  # configs/llama_125m.yaml's attention
     "d64c2kmha": (8, 2048, 2048, 12, 12, 64, True),  # the same without GQA
     "d64g4k": (4, 4096, 4096, 32, 8, 64, True),  # GQA 32/8 at n4096
-    "dropc2k": (8, 2048, 2048, 16, 16, 128, True, 0.1),  # dropout: Triton fwd, dK/dV (atomic dQ here)
+    "dropc2k": (8, 2048, 2048, 16, 16, 128, True, 0.1),  # dropout (the Triton kernels under "triton")
     "dropc8k": (2, 8192, 8192, 16, 16, 128, True, 0.1),
     "dropf4k": (4, 4096, 4096, 16, 16, 128, False, 0.1),
     "drop2k": (4, 2048, 2048, 16, 4, 128, True, 0.1),  # configs/dropout.yaml's attention

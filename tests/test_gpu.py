@@ -316,8 +316,8 @@ def test_fused_dq_where_keys_are_long_unless_deterministic_bf16(causal, monkeypa
                   + ("-alibi" if c[8] else "")))
 def test_gluon_dq_dropout_matches_float64_bf16(case, monkeypatch):
     # The Gluon dQ draws common.dropout_keep's bits in the wgmma accumulator layout (hopper_dq.dropout_keep_acc):
-    # the pattern that the separate dropout_mask kernel writes must be the one it applied. The forward with dropout
-    # is the Triton kernel's; dK/dV the Gluon one at head dim 128 (v51), the Triton one at 64.
+    # the pattern that the separate dropout_mask kernel writes must be the one it applied. The forward and dK/dV with
+    # dropout are the Gluon ones at head dim 128 (v54, v51), the Triton ones at 64.
     _check_gluon_dq_dropout(case, monkeypatch)
 
 
@@ -335,7 +335,8 @@ def _check_gluon_dq_dropout(case, monkeypatch):
     calls = _check_dropout_launches((batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim), torch.bfloat16, causal, p,
                                     alibi, [(hopper_fwd, "attn_fwd"), (hopper_dq, "attn_bwd_dq")],
                                     dict(gluon_fwd=True, gluon_dq=True, atomic_dq=False, fused_dq=False), monkeypatch)
-    assert calls == [("attn_bwd_dq", p)]  # the dQ pass, not the dQ fused into dK/dV that config takes for long rows
+    # the dQ pass, not the dQ fused into dK/dV that config takes for long rows
+    assert calls == ([("attn_fwd", p)] if headdim == 128 else []) + [("attn_bwd_dq", p)]
 
 
 def _check_dropout_launches(shape, dtype, causal, p, alibi, launches, overrides, monkeypatch):
@@ -368,6 +369,10 @@ def _check_dropout_launches(shape, dtype, causal, p, alibi, launches, overrides,
     (2, 512, 1024, 4, 1, False, 0.1, False, torch.float16),
     (2, 1024, 1024, 8, 2, True, 0.1, True, torch.bfloat16),  # with ALiBi
     (1, 2048, 2048, 2, 2, True, 0.5, False, torch.bfloat16),
+    # the 16-bit threshold's ends, where the drawer's carry addend 2^32 - t * 2^16 wraps to 0: t = 0 keeps every
+    # weight (p under 2^-17), t = 2^16 drops every one
+    (1, 1024, 1024, 2, 2, True, 2e-6, False, torch.bfloat16),
+    (1, 1024, 1024, 2, 2, False, 0.999995, False, torch.bfloat16),
 ], ids=lambda c: (f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-{'causal' if c[5] else 'full'}-p{c[6]}"
                   + ("-alibi" if c[7] else "") + f"-{str(c[8]).split('.')[-1]}"))
 @pytest.mark.parametrize("fused", [False, True], ids=["dq_pass", "fused_dq"])
@@ -381,6 +386,28 @@ def test_gluon_dkdv_dropout_matches_float64(case, fused, monkeypatch):
                                     [(hopper_dkdv, "attn_bwd_dkdv"), (hopper_dq, "attn_bwd_dq")],
                                     dict(gluon_dkdv=True, gluon_dq=True, atomic_dq=False, fused_dq=fused), monkeypatch)
     assert sorted(calls) == [("attn_bwd_dkdv", p)] + ([] if fused else [("attn_bwd_dq", p)])
+
+
+@needs_gluon
+@pytest.mark.parametrize("case", [
+    (2, 1024, 1024, 8, 2, True, 0.1, False, torch.bfloat16),
+    (1, 640, 1152, 4, 4, True, 0.2, False, torch.bfloat16),  # Sq < Sk, bottom-right causal
+    (1, 1152, 640, 4, 4, True, 0.1, False, torch.bfloat16),  # Sq > Sk: the first queries see no key
+    (2, 512, 1024, 4, 1, False, 0.1, False, torch.float16),
+    (2, 1024, 1024, 8, 2, True, 0.1, True, torch.bfloat16),  # with ALiBi
+    (1, 2048, 2048, 2, 2, True, 0.5, False, torch.bfloat16),
+    (1, 1024, 1024, 2, 2, True, 2e-6, False, torch.bfloat16),  # threshold 0: every weight kept
+    (1, 1024, 1024, 2, 2, False, 0.999995, False, torch.bfloat16),  # threshold 2^16: every weight dropped
+], ids=lambda c: (f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-{'causal' if c[5] else 'full'}-p{c[6]}"
+                  + ("-alibi" if c[7] else "") + f"-{str(c[8]).split('.')[-1]}"))
+def test_gluon_forward_dropout_matches_float64(case, monkeypatch):
+    # The Gluon forward takes its keep bits from drawer warps as two packed words per consumer thread
+    # (hopper_fwd._fwd_keep_drawer, _fwd_keep_tile): the pattern that the separate dropout_mask kernel writes must be
+    # the one it applied (the backward is whatever config chooses, and draws the same bits)
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, causal, p, alibi, dtype = case
+    calls = _check_dropout_launches((batch, seqlen_q, seqlen_k, nheads, nheads_k, 128), dtype, causal, p, alibi,
+                                    [(hopper_fwd, "attn_fwd")], dict(gluon_fwd=True), monkeypatch)
+    assert calls == [("attn_fwd", p)]
 
 
 def test_misaligned_layout_falls_back_to_pointer_tiles_bf16():

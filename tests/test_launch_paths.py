@@ -223,6 +223,39 @@ def test_gluon_dkdv_refuses_dropout_it_cannot_draw(headdim, with_seed):
                                   seed_offset=seed_offset, dropout_p=0.1)
 
 
+@pytest.mark.parametrize("headdim,with_seed", [(64, True), (128, False)], ids=["d64", "no_seed_offset"])
+def test_gluon_forward_refuses_dropout_it_cannot_draw(headdim, with_seed):
+    # the forward's drawer warps (hopper_fwd._fwd_keep_drawer) serve head dim 128, from a (seed, offset) tensor, and
+    # `supported` keeps every other dropout call on the Triton kernel; a direct call outside that is refused naming
+    # the values, before a descriptor is built
+    from flashpatch.kernels import hopper_fwd
+
+    q, k, v = random_qkv(1, 17, 17, 2, 1, headdim, torch.float16, requires_grad=False)
+    seed_offset = torch.zeros(2, dtype=torch.int64) if with_seed else None
+    refused = "at head dim 64 with seed_offset=tensor|at head dim 128 with seed_offset=None"
+    with pytest.raises(ValueError, match=refused):
+        hopper_fwd.attn_fwd(q, k, v, torch.empty_like(q), torch.zeros(1, 2, 17), 1.0, True, seed_offset=seed_offset,
+                            dropout_p=0.1)
+
+
+@pytest.mark.parametrize("drawer_warps", [2, 4])
+def test_gluon_forward_dropout_register_split_is_one_setmaxnreg_can_take(drawer_warps):
+    # the dropout forward launches its 9 + 2 drawer_warps warps as whole warpgroups (16 or 20) at `maxnreg` registers;
+    # warp_specialize hands the worker consumer, the producer's and the drawers' warpgroups their setmaxnreg counts
+    # and the default partition's consumer the rest of the pool, which must match the worker consumer's. setmaxnreg
+    # takes multiples of 8 in [24, 256]: a count outside that fails only at a GPU launch.
+    from flashpatch.kernels import hopper_fwd
+
+    maxnreg, consumer, worker = hopper_fwd.dropout_registers(drawer_warps)
+    groups = 2 + (1 + 2 * drawer_warps + 3) // 4
+    for count in (consumer, worker):
+        assert 24 <= count <= 256 and count % 8 == 0, (drawer_warps, consumer, worker)
+    assert 2 * consumer + (groups - 2) * worker == groups * maxnreg  # nothing of the pool left idle
+    assert maxnreg % 8 == 0 and groups * 128 * maxnreg <= 65536  # the register file
+    with pytest.raises(ValueError, match="drawer_warps must be 2 or 4, got 3"):
+        hopper_fwd.dropout_registers(3)
+
+
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (1, 17), (17, 1), (113, 113), (45, 70), (70, 45), (5, 1023)])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0)], ids=["full", "causal"])
 def test_mean_keys_seen_counts_the_mask(seqlen_q, seqlen_k, window):

@@ -20,6 +20,18 @@ try:  # Gluon is experimental: its module layout has changed between Triton rele
 except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
 
+
+def kept_dims(parent, dims):
+    """Gluon layout `parent` (a constexpr) sliced down to its dimensions `dims`, the others removed from the last: the
+    layout whose tensor `x[...]`, with None at those other positions, expands back into `parent` (the keep words of
+    hopper_fwd.py and hopper_dkdv.py, one dimension of a tile for its aranges)."""
+    layout = parent.value
+    for dim in reversed(range(len(layout.size_per_thread))):
+        if dim not in dims:
+            layout = gl.SliceLayout(dim, layout)
+    return gl.constexpr(layout)
+
+
 TMA_REDUCE = False  # whether tma_reduce_add below could be defined (the fused dQ needs it: hopper_dkdv.fuses_dq)
 if AVAILABLE:
     try:  # private names: a release without them loses the fused dQ only, not the Gluon kernels

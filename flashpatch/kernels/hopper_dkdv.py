@@ -56,10 +56,11 @@ from __future__ import annotations
 import torch
 import triton
 
-from flashpatch.kernels.common import dropout_head_rows, dropout_threshold, head_and_block, philox4x32_10
+from flashpatch.kernels.common import dropout_head_rows, dropout_threshold, head_and_block
 from flashpatch.kernels.config import head_group
 from flashpatch.kernels.hopper_common import (
-    AVAILABLE, TMA_REDUCE, alibi_batch_stride, descriptor, fp32_descriptor, sm90_dense_ok, tma_load, vector_descriptor)
+    AVAILABLE, TMA_REDUCE, alibi_batch_stride, descriptor, fp32_descriptor, kept_dims, sm90_dense_ok, tma_load,
+    vector_descriptor)
 
 if AVAILABLE:
     from triton.experimental import gluon
@@ -69,8 +70,7 @@ if AVAILABLE:
 
     if TMA_REDUCE:
         from flashpatch.kernels.hopper_common import tma_reduce_add
-    from flashpatch.kernels.hopper_dq import dropout_seed_offset
-    from flashpatch.kernels.hopper_fwd import alibi_bias, head_slope_log2
+    from flashpatch.kernels.hopper_fwd import alibi_bias, dropout_seed_offset, head_slope_log2, philox_wide
 
 BLOCK_M = {64: 64, 128: 64}  # queries per step, by head dim
 HALF_N = 64  # keys per consumer warpgroup
@@ -114,7 +114,8 @@ if AVAILABLE:
     # layout a thread holds 32 of its scores: key bit 3 and query bits 0, 3, 4, 5 vary over its registers, the other
     # bits are its lane and warp. Its keep decisions travel from the consumer's drawer partition (`_keep_drawer`) as
     # one 32-bit word per consumer thread; decision (key bit 3, query bit 0, query >> 3) is that word's bit
-    #     key bit 3 + 2 * query bit 0 + 4 * (query >> 3).
+    #     4 * call + output word = 4 * (query bit 0 + 2 * (query >> 4)) + 2 * query bit 3 + key bit 3,
+    # the order in which the drawer shifts them in (`_shift_in_call`).
     # The word tile is (key >> 4, key & 7, (query >> 1) & 3), in the order of the consumer's threads.
     # KEEP_TILE6 is the score tile as (key >> 4, key bit 3, key & 7, query >> 3, (query >> 1) & 3, query bit 0): the
     # accumulator layout with the register dimensions (1, 3, 5) apart, so that a thread's word broadcast over them
@@ -122,19 +123,10 @@ if AVAILABLE:
     KEEP_TILE6 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2, 1, 8, 1, 2], threads_per_warp=[1, 1, 8, 1, 4, 1],
                                                warps_per_cta=[4, 1, 1, 1, 1, 1], order=[5, 1, 3, 4, 2, 0]))
 
-    def _kept_dims(parent, dims):
-        """`parent` sliced down to its dimensions `dims`, the others removed from the last: the layout whose tensor
-        `x[...]` with None at those other positions expands back into `parent`."""
-        layout = parent.value
-        for dim in reversed(range(len(layout.size_per_thread))):
-            if dim not in dims:
-                layout = gl.SliceLayout(dim, layout)
-        return gl.constexpr(layout)
-
-    KEEP_WORDS = _kept_dims(KEEP_TILE6, (0, 2, 4))  # (4, 8, 4): one word a thread
+    KEEP_WORDS = kept_dims(KEEP_TILE6, (0, 2, 4))  # (4, 8, 4): one word a thread
     # each dimension of KEEP_TILE6 alone, for its aranges
     KEEP_KEY_HI, KEEP_KEY3, KEEP_KEY_LO, KEEP_QUERY_HI, KEEP_QUERY_MID, KEEP_QUERY0 = (
-        _kept_dims(KEEP_TILE6, (dim, )) for dim in range(6))
+        kept_dims(KEEP_TILE6, (dim, )) for dim in range(6))
     # the drawer's tile: (key >> 4, (key >> 1) & 3, (query >> 1) & 3), the pairs of consumer threads that differ in
     # key bit 0 only, one per lane of its two warps
     KEEP_DRAW = gl.constexpr(gl.BlockedLayout([1, 1, 1], [2, 4, 4], [2, 1, 1], [2, 1, 0]))
@@ -154,7 +146,8 @@ if AVAILABLE:
         """The step's (HALF_N, BLOCK_M) keep tile in the layout of `like` (the consumer's Sᵀ) from the consumer
         thread's word (KEEP_WORDS): each register takes its own bit, at a position known at compile time."""
         key3, query_hi, query0 = _register_dims()
-        bits = (word[:, None, :, None, :, None] >> (key3 + 2 * query0 + 4 * query_hi)) & 1
+        bit = key3 + 2 * (query_hi & 1) + 4 * query0 + 8 * (query_hi >> 1)
+        bits = (word[:, None, :, None, :, None] >> bit) & 1
         bits = gl.reshape(bits, [like.shape[0], like.shape[1]])
         return gl.convert_layout(bits, like.type.layout, assert_trivial=True) != 0
 
@@ -173,12 +166,41 @@ if AVAILABLE:
         visible = gl.reshape(visible, [like.shape[0], like.shape[1]])
         return gl.convert_layout(visible, like.type.layout, assert_trivial=True)
 
+    # One Philox call's eight decisions shifted into the two threads' words (low halves: key bit 0 = 0, high halves: 1),
+    # word r3 first, so that after the step's eight calls call c's word k sits at bit 4c + k. A decision h >= t is the
+    # carry out of h * 2^16 + (2^32 - t * 2^16), which `addc` shifts in: two or three instructions a decision, against
+    # five for an extract, compare, select, shift and OR (NOTES.md v53). $0, $1: the words out; $2..$5: r0..r3;
+    # $6: 2^32 - t * 2^16; $7, $8: the words in.
+    _SHIFT_IN_ASM = gl.constexpr("""{
+    .reg .b32 t;
+    shl.b32 t, $5, 16;
+    add.cc.u32 t, t, $6;
+    addc.u32 $0, $7, $7;
+    add.cc.u32 t, $5, $6;
+    addc.u32 $1, $8, $8;
+    shl.b32 t, $4, 16;
+    add.cc.u32 t, t, $6;
+    addc.u32 $0, $0, $0;
+    add.cc.u32 t, $4, $6;
+    addc.u32 $1, $1, $1;
+    shl.b32 t, $3, 16;
+    add.cc.u32 t, t, $6;
+    addc.u32 $0, $0, $0;
+    add.cc.u32 t, $3, $6;
+    addc.u32 $1, $1, $1;
+    shl.b32 t, $2, 16;
+    add.cc.u32 t, t, $6;
+    addc.u32 $0, $0, $0;
+    add.cc.u32 t, $2, $6;
+    addc.u32 $1, $1, $1;
+    }""")
+
     @gluon.jit
-    def _pack_word(lo, hi, r, threshold, pos):
-        """Decisions of one Philox output word into the two threads' words: low half key bit 0 = 0, high half 1."""
-        lo |= ((r & 0xFFFF) >= threshold).to(gl.uint32) << pos
-        hi |= ((r >> 16) >= threshold).to(gl.uint32) << pos
-        return lo, hi
+    def _shift_in_call(lo, hi, r0, r1, r2, r3, carry_addend):
+        """`_SHIFT_IN_ASM`: one call's decisions shifted into the words lo and hi."""
+        return gl.inline_asm_elementwise(_SHIFT_IN_ASM, "=&r,=&r,r,r,r,r,r,r,r",
+                                         [r0, r1, r2, r3, carry_addend, lo, hi], dtype=(gl.uint32, gl.uint32),
+                                         is_pure=True, pack=1)
 
     @gluon.jit
     def _keep_drawer(args, WG: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, PHILOX: gl.constexpr):
@@ -194,6 +216,10 @@ if AVAILABLE:
         key0 = n0 + WG * HALF_N
         seed, offset = dropout_seed_offset(SEED_OFFSET, True)
         threshold = dropout_threshold(dropout_p)
+        # uint32 arithmetic: 2^32 - t * 2^16, where t = 2^16 (every decision drops) wraps to 0 as it should; t = 0
+        # (p under 2^-17) would wrap to 0 too, hence keep_all
+        carry_addend = 0 - (threshold << 16)
+        keep_all = threshold == 0
         key_hi = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, KEEP_DRAW)))[:, None, None]
         key_mid = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, KEEP_DRAW)))[None, :, None]
         query_mid = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, KEEP_DRAW)))[None, None, :]
@@ -207,14 +233,13 @@ if AVAILABLE:
             base = offset + row * groups_per_row + col  # (4, 4, 4): the call of query bits 0, 4, 5 = 0
             lo = gl.zeros(base.shape, gl.uint32, KEEP_DRAW) + (0 if PHILOX else 0xFFFFFFFF)
             hi = gl.zeros(base.shape, gl.uint32, KEEP_DRAW) + (0 if PHILOX else 0xFFFFFFFF)
-            for c in range(8 if PHILOX else 0):  # c = query bit 0 + 2 * (query >> 4); a loop: one call's state live
-                r0, r1, r2, r3 = philox4x32_10(seed, base + ((c >> 1) * 8 + (c & 1)) * groups_per_row)
-                # word 2 * query bit 3 + key bit 3 -> bit key3 + 2 * query0 + 4 * query3 + 8 * (query >> 4)
-                pos = 2 * (c & 1) + 8 * (c >> 1)
-                lo, hi = _pack_word(lo, hi, r0, threshold, pos)
-                lo, hi = _pack_word(lo, hi, r1, threshold, pos + 1)
-                lo, hi = _pack_word(lo, hi, r2, threshold, pos + 4)
-                lo, hi = _pack_word(lo, hi, r3, threshold, pos + 5)
+            for j in range(8 if PHILOX else 0):  # a loop: one call's state live
+                c = 7 - j  # query bit 0 + 2 * (query >> 4); the last call shifted in lands at bits 0..3
+                r0, r1, r2, r3 = philox_wide(seed, base + ((c >> 1) * 8 + (c & 1)) * groups_per_row)
+                lo, hi = _shift_in_call(lo, hi, r0, r1, r2, r3, carry_addend)
+            if PHILOX:
+                lo = gl.where(keep_all, 0xFFFFFFFF, lo)
+                hi = gl.where(keep_all, 0xFFFFFFFF, hi)
             words = gl.reshape(gl.permute(gl.join(lo, hi), [0, 1, 3, 2]), [4, 8, 4])  # key & 7 = 2 * mid + bit 0
             s = WG * SLOTS + i % SLOTS
             # a fresh mbarrier counts as having completed the phase before 0, so the first lap does not wait

@@ -30,8 +30,8 @@ if AVAILABLE:
         fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
     from flashpatch.kernels.hopper_fwd import (
-        alibi_bias, allocate_kv_ring, allocate_query_barriers, head_slope_log2, persistent_tile, producer_persistent,
-        query_block_of_tile, query_block_program, stream_kv)
+        alibi_bias, allocate_kv_ring, allocate_query_barriers, dropout_seed_offset, head_slope_log2, persistent_tile,
+        producer_persistent, query_block_of_tile, query_block_program, stream_kv)
 
 HALF_M = 64  # queries per consumer warpgroup
 BLOCK_M = 2 * HALF_M  # queries per program
@@ -72,16 +72,6 @@ if AVAILABLE:
         counter, _ = gl.split(counter)  # j0 = 0: (BM / 16, 8, BN / 16, 4), one counter per call
         keep = keep_tile(seed, counter, dropout_p, BLOCK_M, BLOCK_N)  # the joins undo the splits and the reshape
         return gl.convert_layout(keep, layout, assert_trivial=True)
-
-    @gluon.jit
-    def dropout_seed_offset(SEED_OFFSET, DROPOUT: gl.constexpr):
-        """The call's Philox (seed, offset) (ops.draw_seed_offset); zeros without dropout."""
-        seed = 0
-        offset = 0
-        if DROPOUT:
-            seed = gl.load(SEED_OFFSET)
-            offset = gl.load(SEED_OFFSET + 1)
-        return seed, offset
 
     @gluon.jit
     def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty,

@@ -19,6 +19,16 @@ rows, which TMA fills from the next head's rows or with zeros, and the stores sk
 A persistent grid (`_persistent_fwd`, where config.persistent_grid chooses it: head dim 128) launches one program per
 SM instead, each looping over query blocks, so that a block's Q load and first K/V blocks run under the
 previous block's steps (NOTES.md v32).
+
+With dropout (head dim 128, one program per query block) the keep bits come from warps of their own, as in
+hopper_dkdv.py's backward, so that the Philox arithmetic runs beside the consumers' matmuls and softmax (NOTES.md
+v54, v55):
+
+  drawer w (4 warps):    per step, the Philox calls of consumer w's (64 queries, 128 keys) tile at the counters of
+                         common.dropout_keep (the bits every kernel draws), eight decisions a call shifted into two
+                         32-bit words per consumer thread, into a ring of KEEP_SLOTS slots (`keep_full` /
+                         `keep_empty`); the consumer expands its words in registers (`_fwd_keep_tile`) and zeroes the
+                         dropped weights of P before P V, after the running sum has counted them.
 """
 
 from __future__ import annotations
@@ -26,9 +36,10 @@ from __future__ import annotations
 import torch
 import triton
 
-from flashpatch.kernels.common import tile_head_and_block
+from flashpatch.kernels.common import dropout_head_rows, dropout_threshold, tile_head_and_block
 from flashpatch.kernels.config import head_group, persistent_grid, sm_count
-from flashpatch.kernels.hopper_common import AVAILABLE, alibi_batch_stride, descriptor, sm90_dense_ok, tma_load
+from flashpatch.kernels.hopper_common import (
+    AVAILABLE, alibi_batch_stride, descriptor, kept_dims, sm90_dense_ok, tma_load)
 
 if AVAILABLE:
     from triton.experimental import gluon
@@ -50,6 +61,12 @@ MAXNREG_3 = 128  # three consumers: 13 warps, launched as 16 (a multiple of 4): 
 # The persistent grid (module docstring): None follows config.persistent_grid; True / False force it (the
 # "+pfwd" / "+npfwd" variants of scripts/gluon_check.py, the GPU tests of both forms).
 PERSISTENT: bool | None = None
+# Dropout (head dim 128, the grid of one program per query block): two drawer partitions of DRAWER_WARPS warps each
+# (`_fwd_keep_drawer`) draw each consumer's keep bits beside its matmuls, as hopper_dkdv.py's drawers do for the
+# backward; `dropout_registers` splits the register file. Measured (NOTES.md v54, H100, forward GPU time against the
+# Triton kernel's 1.74 ms at causal n8192): two warps 1.88-1.89 ms, four (20 warps) 1.68.
+DRAWER_WARPS = 4
+KEEP_SLOTS = 2  # each consumer's ring of keep words
 
 
 if AVAILABLE:
@@ -94,6 +111,53 @@ if AVAILABLE:
             return 0.0
 
     @gluon.jit
+    def dropout_seed_offset(SEED_OFFSET, DROPOUT: gl.constexpr):
+        """The call's Philox (seed, offset) (ops.draw_seed_offset); zeros without dropout. Shared with
+        hopper_dkdv.py and hopper_dq.py."""
+        seed = 0
+        offset = 0
+        if DROPOUT:
+            seed = gl.load(SEED_OFFSET)
+            offset = gl.load(SEED_OFFSET + 1)
+        return seed, offset
+
+    # The PTX of one 32 x 32 -> 64-bit product by each of Philox's round multipliers (Random123's, as tl.philox) as a
+    # (high word, low word) pair
+    _MUL_WIDE_A_ASM = gl.constexpr("{ .reg .b64 w; mul.wide.u32 w, $2, 0xD2511F53; mov.b64 {$1, $0}, w; }")
+    _MUL_WIDE_B_ASM = gl.constexpr("{ .reg .b64 w; mul.wide.u32 w, $2, 0xCD9E8D57; mov.b64 {$1, $0}, w; }")
+
+    @gluon.jit
+    def _mul_wide(x, ASM: gl.constexpr):
+        return gl.inline_asm_elementwise(ASM, "=r,=r,r", [x], dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
+
+    @gluon.jit
+    def philox_wide(seed, counter):
+        """common.philox4x32_10's four words (tl.philox's rounds, the same arithmetic) with each round's two products
+        written as one mul.wide each, for the drawer warps (also hopper_dkdv.py's): from tl.philox's mul.hi and
+        mul.lo ptxas mostly issues two IMADs a product, here one IMAD.WIDE, a third fewer instructions a call
+        (NOTES.md v55). The first round is written out with c2 = c3 = 0."""
+        c0 = (counter & 0xFFFFFFFF).to(gl.uint32)
+        c1 = (counter >> 32).to(gl.uint32)
+        seed = seed.to(gl.uint64)
+        k0 = (seed & 0xFFFFFFFF).to(gl.uint32)
+        k1 = (seed >> 32).to(gl.uint32)
+        hi_a, lo_a = _mul_wide(c0, _MUL_WIDE_A_ASM)
+        c0 = c1 ^ k0  # umulhi(B, 0) ^ c1 ^ k0
+        c1 = c0 & 0  # B * 0
+        c2 = hi_a ^ k1  # umulhi(A, c0) ^ 0 ^ k1
+        c3 = lo_a
+        for _ in gl.static_range(9):
+            k0 = k0 + 0x9E3779B9
+            k1 = k1 + 0xBB67AE85
+            hi_b, lo_b = _mul_wide(c2, _MUL_WIDE_B_ASM)
+            hi_a, lo_a = _mul_wide(c0, _MUL_WIDE_A_ASM)
+            c0 = hi_b ^ c1 ^ k0
+            c2 = hi_a ^ c3 ^ k1
+            c1 = lo_b
+            c3 = lo_a
+        return c0, c1, c2, c3
+
+    @gluon.jit
     def alibi_bias(alibi_log2, rows, cols):
         """ALiBi's -slope * |i + Sk - Sq - j| in log2 units, as common.alibi_bias: `rows` are query positions
         already shifted by Sk - Sq (bottom-right aligned, so a causal diagonal has no bias), `cols` key positions,
@@ -133,6 +197,125 @@ if AVAILABLE:
             mbarrier.expect(ready_v.index(s), v_desc.block_type.nbytes)
             tma_load(v_desc, [v_row + i * BLOCK_N, v_col], ready_v.index(s), v_bufs.index(s))
 
+    # Dropout. A consumer's step tile S is (HALF_M, BLOCK_N) = (64 queries, 128 keys). In the wgmma accumulator layout
+    # a thread holds query bit 3 and key bits 0, 3, 4, 5, 6 in its registers, so the eight decisions of a Philox call
+    # (query bit 3, key bits 0 and 3: common.dropout_keep) all land in one thread, eight calls a step (key >> 4). They
+    # come from the consumer's drawer as two 32-bit words per consumer thread: decision (query bit 3, key) is word
+    # key >> 6's bit
+    #     8 * ((key >> 4) & 3) + 2 * (2 * query bit 3 + key bit 3) + key bit 0,
+    # the order in which the drawer shifts them in (`_shift_in_call`).
+    # FWD_KEEP_TILE8 is S as (query >> 4, query bit 3, query & 7, key >> 6, (key >> 4) & 3, key bit 3, (key >> 1) & 3,
+    # key bit 0): the accumulator layout with its register dimensions apart, so that a thread's word broadcast over
+    # them gives each register its bit at a position known at compile time.
+    FWD_KEEP_TILE8 = gl.constexpr(gl.BlockedLayout(
+        size_per_thread=[1, 2, 1, 2, 4, 2, 1, 2], threads_per_warp=[1, 1, 8, 1, 1, 1, 4, 1],
+        warps_per_cta=[4, 1, 1, 1, 1, 1, 1, 1], order=[7, 1, 5, 4, 3, 6, 2, 0]))
+    FWD_KEEP_WORDS = kept_dims(FWD_KEEP_TILE8, (0, 2, 3, 6))  # (4, 8, 2, 4): a thread's two words
+    FWD_KEEP_QUERY3, FWD_KEEP_CALL, FWD_KEEP_KEY3, FWD_KEEP_KEY0 = (kept_dims(FWD_KEEP_TILE8, (dim, ))
+                                                                   for dim in (1, 4, 5, 7))
+    # the drawer's tile, a slot's words (query >> 4, query & 7, key >> 6, (key >> 1) & 3), by DRAWER_WARPS: with two
+    # warps a lane draws one word of each consumer warp (one drawer warp each key >> 6), so four calls in flight; with
+    # four, those of two consumer warps
+    FWD_KEEP_DRAW2 = gl.constexpr(gl.BlockedLayout([4, 1, 1, 1], [1, 8, 1, 4], [1, 1, 2, 1], [3, 1, 2, 0]))
+    FWD_KEEP_DRAW4 = gl.constexpr(gl.BlockedLayout([2, 1, 1, 1], [1, 8, 1, 4], [2, 1, 2, 1], [3, 1, 2, 0]))
+    FWD_KEEP_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))  # a slot's (4, 8, 2, 4) words
+    _KEEP_SLOTS = gl.constexpr(KEEP_SLOTS)  # as the kernel reads it
+
+    # One Philox call's eight decisions shifted into a word, r3's high half first and r0's low half last, so that
+    # after four calls call c's decision (output word k, half h) sits at bit 8 (c & 3) + 2 k + h. A decision
+    # half >= t is the carry out of half * 2^16 + (2^32 - t * 2^16), which `addc` shifts in (hopper_dkdv.py's
+    # drawers do the same for two words at once). $0: the word out; $1..$4: r0..r3; $5: 2^32 - t * 2^16; $6: the
+    # word in.
+    _SHIFT_IN_ASM = gl.constexpr("""{
+    .reg .b32 t;
+    add.cc.u32 t, $4, $5;
+    addc.u32 $0, $6, $6;
+    shl.b32 t, $4, 16;
+    add.cc.u32 t, t, $5;
+    addc.u32 $0, $0, $0;
+    add.cc.u32 t, $3, $5;
+    addc.u32 $0, $0, $0;
+    shl.b32 t, $3, 16;
+    add.cc.u32 t, t, $5;
+    addc.u32 $0, $0, $0;
+    add.cc.u32 t, $2, $5;
+    addc.u32 $0, $0, $0;
+    shl.b32 t, $2, 16;
+    add.cc.u32 t, t, $5;
+    addc.u32 $0, $0, $0;
+    add.cc.u32 t, $1, $5;
+    addc.u32 $0, $0, $0;
+    shl.b32 t, $1, 16;
+    add.cc.u32 t, t, $5;
+    addc.u32 $0, $0, $0;
+    }""")
+
+    @gluon.jit
+    def _shift_in_call(word, r0, r1, r2, r3, carry_addend):
+        """`_SHIFT_IN_ASM`: one call's decisions shifted into `word`."""
+        return gl.inline_asm_elementwise(_SHIFT_IN_ASM, "=&r,r,r,r,r,r,r", [r0, r1, r2, r3, carry_addend, word],
+                                         dtype=gl.uint32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _fwd_keep_drawer(args, WG: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         DRAWER_WARPS: gl.constexpr):
+        if DRAWER_WARPS == 4:
+            _fwd_keep_draws(args, WG, HALF_M, BLOCK_N, FWD_KEEP_DRAW4)
+        else:
+            _fwd_keep_draws(args, WG, HALF_M, BLOCK_N, FWD_KEEP_DRAW2)
+
+    @gluon.jit
+    def _fwd_keep_draws(args, WG: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, DRAW: gl.constexpr):
+        """Consumer WG's keep words, step by step, into its ring of slots (`keep_full` / `keep_empty`), drawn at
+        common.dropout_keep's counters (the bits that the backward and the Triton kernels draw): the lanes of the
+        drawer's warps in layout DRAW over the slot's words, each lane runs calls 4 word .. 4 word + 3 of the
+        consumer threads whose words it holds, one call of each at once."""
+        keep_bufs, keep_full, keep_empty, SEED_OFFSET, dropout_p, off_b, nheads, off_h, seqlen_q, seqlen_k, m0, n_steps = args
+        SLOTS: gl.constexpr = keep_bufs.shape[0] // 2  # each consumer's
+        seed, offset = dropout_seed_offset(SEED_OFFSET, True)
+        threshold = dropout_threshold(dropout_p)
+        # uint32: 2^32 - t * 2^16; t = 2^16 (every weight dropped) wraps to 0 as it should, t = 0 (p under 2^-17)
+        # would too, hence keep_all
+        carry_addend = 0 - (threshold << 16)
+        keep_all = threshold == 0
+        # counter row rows0 + 8 (query >> 4) + (query & 7) of each of the slot's (4, 8) query rows
+        query_lo = (8 * gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, DRAW))))[
+            :, None, None, None] + gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, DRAW))))[
+            None, :, None, None])
+        word = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, DRAW))))[None, None, :, None]
+        key_mid = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, DRAW))))[
+            None, None, None, :]
+        groups_per_row = gl.cdiv(seqlen_k, 16) * 4
+        rows0 = dropout_head_rows(off_b, nheads, off_h, seqlen_q) + (m0 + WG * HALF_M) // 2
+        for i in range(n_steps):
+            s = WG * SLOTS + i % SLOTS
+            # the slot's words of step i - SLOTS read (a fresh mbarrier counts as having completed the phase before
+            # 0, so the first lap does not wait); with two slots a step's draw still runs under the step before
+            mbarrier.wait(keep_empty.index(s), ((i // SLOTS) & 1) ^ 1)
+            # call c = 4 word + 3 - j of key block i: counter column i BLOCK_N / 4 + 4 c + (key >> 1) & 3
+            col = i * (BLOCK_N // 4) + word * 16 + key_mid + 12  # (1, 1, 2, 4): j = 0
+            base = offset + (rows0 + query_lo).to(gl.int64) * groups_per_row + col  # (4, 8, 2, 4)
+            words = gl.zeros(base.shape, gl.uint32, DRAW)
+            for j in range(4):  # a call of each of the lane's words in flight
+                r0, r1, r2, r3 = philox_wide(seed, base - 4 * j)
+                words = _shift_in_call(words, r0, r1, r2, r3, carry_addend)
+            keep_bufs.index(s).store(gl.where(keep_all, 0xFFFFFFFF, words).to(gl.int32, bitcast=True))
+            gl.thread_barrier()  # every lane's words written before the consumer is told
+            mbarrier.arrive(keep_full.index(s))
+
+    @gluon.jit
+    def _fwd_keep_tile(words, like):
+        """The step's (HALF_M, BLOCK_N) keep tile in the layout of `like` (the consumer's S) from the consumer
+        thread's two words (FWD_KEEP_WORDS): each register takes its own bit, at a position known at compile time."""
+        query3 = gl.arange(0, 2, layout=FWD_KEEP_QUERY3)[None, :, None, None, None, None, None, None]
+        call = gl.arange(0, 4, layout=FWD_KEEP_CALL)[None, None, None, None, :, None, None, None]
+        key3 = gl.arange(0, 2, layout=FWD_KEEP_KEY3)[None, None, None, None, None, :, None, None]
+        key0 = gl.arange(0, 2, layout=FWD_KEEP_KEY0)[None, None, None, None, None, None, None, :]
+        bit = 8 * call + 4 * query3 + 2 * key3 + key0
+        bits = (words[:, None, :, :, None, None, :, None] >> bit) & 1
+        bits = gl.reshape(bits, [like.shape[0], like.shape[1]])
+        return gl.convert_layout(bits, like.type.layout, assert_trivial=True) != 0
+
     @gluon.jit
     def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
                       q_row, q_col, k_row, k_col, v_row, v_col, n_steps,
@@ -147,22 +330,34 @@ if AVAILABLE:
     @gluon.jit
     def _fwd_step(i, ring, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
                   shift, qk_scale, alibi_log2, MASKED: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, FOLD: gl.constexpr):
+                  STAGES: gl.constexpr, FOLD: gl.constexpr, keep_parts, WG: gl.constexpr, DROPOUT: gl.constexpr):
         """Key block i into (acc, m_i, l_i), from the ring's slot `ring` (= i but in a persistent program); offs_n:
-        the block's key indices relative to its start."""
+        the block's key indices relative to its start. DROPOUT: the step's keep words from consumer WG's drawer
+        (keep_parts: the words' ring, its slots WG * KEEP_SLOTS + the step's, and their barriers); the running sum
+        counts every weight, P V only the kept ones (`_fwd_epilogue` scales by 1 / (1 - p))."""
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
         s = ring % STAGES
         phase = (ring // STAGES) & 1
         mbarrier.wait(ready_k.index(s), phase)
         qk = warpgroup_mma(q_s, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if DROPOUT:  # read under the matmul
+            keep_bufs, keep_full, keep_empty = keep_parts
+            KEEP_SLOTS: gl.constexpr = keep_bufs.shape[0] // 2
+            keep_slot = WG * KEEP_SLOTS + i % KEEP_SLOTS
+            mbarrier.wait(keep_full.index(keep_slot), (i // KEEP_SLOTS) & 1)
+            words = keep_bufs.index(keep_slot).load(FWD_KEEP_WORDS)
         qk = warpgroup_mma_wait(0, deps=(qk, ))  # (HALF_M, BLOCK_N)
         p, m_new, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2, MASKED,
                                                ALIBI, BLOCK_N, FOLD)
+        if DROPOUT:
+            p = gl.where(_fwd_keep_tile(words, p), p, 0.0)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
         mbarrier.wait(ready_v.index(s), phase)
         acc = warpgroup_mma(gl.convert_layout(p.to(q_s.dtype), a_layout), v_bufs.index(s), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(empty.index(s))
+        if DROPOUT:
+            mbarrier.arrive(keep_empty.index(keep_slot))
         return acc, m_new, l_i
 
     @gluon.jit
@@ -196,7 +391,10 @@ if AVAILABLE:
     def _fwd_consumer(q_s, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base, stride_os, lse_base,
                       m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q,
                       WG: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr):
+                      STAGES: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr, keep_parts, keep_fraction,
+                      DROPOUT: gl.constexpr):
+        """Consumer WG's queries of the program's block; with DROPOUT, keep_parts and keep_fraction = 1 - p
+        (`_fwd_step`, `_fwd_epilogue`), else unused."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
         # q_s: this warpgroup's (HALF_M, D) rows of Q
@@ -205,18 +403,18 @@ if AVAILABLE:
         zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
         acc, m_i, l_i = _fwd_block(q_s, q_bar, 0, 0, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
                                    shift, n_full, n_steps, qk_scale, alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES,
-                                   ALIBI, False, FOLD)
+                                   ALIBI, False, FOLD, keep_parts, WG, DROPOUT)
         _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, m0 + WG * HALF_M, seqlen_q,
-                      q_s.dtype, HEADDIM, HALF_M)
+                      q_s.dtype, HEADDIM, HALF_M, keep_fraction, DROPOUT)
 
     @gluon.jit
     def _fwd_block(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift,
                    n_full, n_steps, qk_scale, alibi_log2, HEADDIM: gl.constexpr, HALF_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, ONE_LOOP: gl.constexpr,
-                   FOLD: gl.constexpr):
+                   FOLD: gl.constexpr, keep_parts, WG: gl.constexpr, DROPOUT: gl.constexpr):
         """A consumer warpgroup's HALF_M query rows offs_m, once their Q has landed (q_bar's phase q_phase): the key
         blocks below the diagonal without a mask, then the masked ones, read from the K/V ring from slot `ring` on.
-        Returns (acc, m_i, l_i) for `_fwd_epilogue`.
+        Returns (acc, m_i, l_i) for `_fwd_epilogue`. keep_parts, WG, DROPOUT: `_fwd_step`'s.
 
         ONE_LOOP (the persistent kernel's): one loop over the key blocks that picks the masked step per block, in
         place of two loops. With two loops, Triton 3.6 compiled the persistent kernel so that the first consumer
@@ -236,32 +434,38 @@ if AVAILABLE:
                 if i < n_full:
                     acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v,
                                               empty, zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, False,
-                                              ALIBI, BLOCK_N, STAGES, FOLD)
+                                              ALIBI, BLOCK_N, STAGES, FOLD, keep_parts, WG,
+                                              DROPOUT)
                 else:
                     acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v,
                                               empty, zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, True,
-                                              ALIBI, BLOCK_N, STAGES, FOLD)
+                                              ALIBI, BLOCK_N, STAGES, FOLD, keep_parts, WG,
+                                              DROPOUT)
         else:
             for i in range(0, n_full):
                 acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
                                           zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, False, ALIBI, BLOCK_N,
-                                          STAGES, FOLD)
+                                          STAGES, FOLD, keep_parts, WG, DROPOUT)
             for i in range(n_full, n_steps):
                 acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
                                           zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, True, ALIBI, BLOCK_N,
-                                          STAGES, FOLD)
+                                          STAGES, FOLD, keep_parts, WG, DROPOUT)
         return acc, m_i, l_i
 
     @gluon.jit
     def _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, row0, seqlen_q,
-                      dtype: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr):
+                      dtype: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, keep_fraction,
+                      DROPOUT: gl.constexpr):
         """LSE (natural log) and O = acc / l of a warpgroup's HALF_M queries from row0 (offs_m: the same rows in
-        the score layout), those before seqlen_q (a last query block may run past it: `supported`)."""
+        the score layout), those before seqlen_q (a last query block may run past it: `supported`); with DROPOUT,
+        O = acc / (l (1 - p)), keep_fraction = 1 - p."""
         o_layout: gl.constexpr = acc.type.layout
         empty_row = l_i == 0.0  # the row sees no key: output 0, LSE +inf (so backward recomputes P = 0)
         lse = gl.where(empty_row, float("inf"), (m_i + gl.log2(gl.where(empty_row, 1.0, l_i))) * 0.6931471805599453)
         gl.store(LSE + lse_base + offs_m, lse, mask=offs_m < seqlen_q)
         l_o = gl.convert_layout(gl.where(empty_row, 1.0, l_i), gl.SliceLayout(1, o_layout))
+        if DROPOUT:
+            l_o = l_o * keep_fraction
         out = (acc / l_o[:, None]).to(dtype)
         rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
         offs_d = gl.arange(0, HEADDIM, layout=gl.SliceLayout(0, o_layout))
@@ -349,23 +553,25 @@ if AVAILABLE:
                 offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
                 acc, m_i, l_i = _fwd_block(q_s, q_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs, ready_k,
                                            ready_v, empty, zero_s, offs_m, offs_n, shift, n_full, n_steps, qk_scale,
-                                           alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, True, FOLD)
+                                           alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, True, FOLD, 0, WG,
+                                           False)
                 mbarrier.arrive(q_empty.index(qb))
                 _fwd_epilogue(acc, m_i, l_i, O, LSE, off_b * stride_ob + off_h * stride_oh, stride_os,
                               off_b * stride_lse_b + off_h * stride_lse_h, offs_m, m0 + WG * HALF_M, seqlen_q,
-                              q_s.dtype, HEADDIM, HALF_M)
+                              q_s.dtype, HEADDIM, HALF_M, 1.0, False)
                 ring += n_steps
                 done += 1
 
     @gluon.jit
     def attn_fwd_hopper_kernel(
-        q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES,
+        q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, SEED_OFFSET,
         q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
         stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
-        num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
+        num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, dropout_p,
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, PERSISTENT: gl.constexpr,
-        FOLD: gl.constexpr, CONSUMERS: gl.constexpr,
+        FOLD: gl.constexpr, CONSUMERS: gl.constexpr, DROPOUT: gl.constexpr, DRAWER_WARPS: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr,
     ):
         if PERSISTENT:  # num_tiles: batch x heads x query blocks, which the programs take in turn
             _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols, k_rows, k_cols, v_rows,
@@ -381,6 +587,13 @@ if AVAILABLE:
         k_bufs, v_bufs, ready_k, ready_v, empty = allocate_kv_ring(k_desc, v_desc, STAGES, CONSUMERS)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
+        if DROPOUT:  # each consumer's KEEP_SLOTS slots of keep words, filled by its drawer
+            keep_bufs = gl.allocate_shared_memory(gl.int32, [2 * _KEEP_SLOTS, 4, 8, 2, 4], FWD_KEEP_SHARED)
+            keep_full = gl.allocate_shared_memory(gl.int64, [2 * _KEEP_SLOTS, 1], mbarrier.MBarrierLayout())
+            keep_empty = gl.allocate_shared_memory(gl.int64, [2 * _KEEP_SLOTS, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(2 * _KEEP_SLOTS):
+                mbarrier.init(keep_full.index(s), count=1)
+                mbarrier.init(keep_empty.index(s), count=1)
         fence_async_shared()
 
         o_base = off_b * stride_ob + off_h * stride_oh
@@ -389,17 +602,36 @@ if AVAILABLE:
         q_row = off_b * q_rows[0] + off_h * q_rows[1] + m0
         k_row = off_b * k_rows[0] + off_hk * k_rows[1]
         v_row = off_b * v_rows[0] + off_hk * v_rows[1]
-        if CONSUMERS == 3:  # head dim 64 (CONSUMERS_BY_HEADDIM): 13 warps share the register file
+        if DROPOUT:  # head dim 128, two consumers (`attn_fwd`)
+            keep_parts = (keep_bufs, keep_full, keep_empty)
+            drawer_args = (keep_bufs, keep_full, keep_empty, SEED_OFFSET, dropout_p, off_b, nheads, off_h, seqlen_q,
+                           seqlen_k, m0, n_steps)
+            gl.warp_specialize([
+                (_fwd_consumer, (q_smem.index(0).slice(0, HALF_M), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O,
+                                 LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2,
+                                 seqlen_q, 0, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, keep_parts,
+                                 1.0 - dropout_p, True)),
+                (_fwd_consumer, (q_smem.index(0).slice(HALF_M, HALF_M), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
+                                 O, LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2,
+                                 seqlen_q, 1, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, keep_parts,
+                                 1.0 - dropout_p, True)),
+                (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
+                                 q_row, off_h * q_cols, k_row, off_hk * k_cols, v_row, off_hk * v_cols, n_steps,
+                                 BLOCK_N, STAGES, Q_TILES)),
+                (_fwd_keep_drawer, (drawer_args, 0, HALF_M, BLOCK_N, DRAWER_WARPS)),
+                (_fwd_keep_drawer, (drawer_args, 1, HALF_M, BLOCK_N, DRAWER_WARPS)),
+            ], [4, 1, DRAWER_WARPS, DRAWER_WARPS], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS, WORKER_REGS])
+        elif CONSUMERS == 3:  # head dim 64 (CONSUMERS_BY_HEADDIM): 13 warps share the register file
             gl.warp_specialize([
                 (_fwd_consumer, (q_smem.index(0), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base,
                                  stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q, 0,
-                                 HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD)),
+                                 HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False)),
                 (_fwd_consumer, (q_smem.index(1), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base,
                                  stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q, 1,
-                                 HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD)),
+                                 HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False)),
                 (_fwd_consumer, (q_smem.index(2), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base,
                                  stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q, 2,
-                                 HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD)),
+                                 HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False)),
                 (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
                                  q_row, off_h * q_cols, k_row, off_hk * k_cols, v_row, off_hk * v_cols, n_steps,
                                  BLOCK_N, STAGES, Q_TILES)),
@@ -408,10 +640,10 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_fwd_consumer, (q_smem.index(0).slice(0, HALF_M), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O,
                                  LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2,
-                                 seqlen_q, 0, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD)),
+                                 seqlen_q, 0, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False)),
                 (_fwd_consumer, (q_smem.index(0).slice(HALF_M, HALF_M), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
                                  O, LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2,
-                                 seqlen_q, 1, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD)),
+                                 seqlen_q, 1, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False)),
                 (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
                                  q_row, off_h * q_cols, k_row, off_hk * k_cols, v_row, off_hk * v_cols, n_steps,
                                  BLOCK_N, STAGES, Q_TILES)),
@@ -447,24 +679,49 @@ if AVAILABLE:
         ], [4, 1], [232, 24])
 
 
+def dropout_registers(drawer_warps: int) -> tuple[int, int, int]:
+    """(registers a thread at launch, the consumers' setmaxnreg count, the other warpgroups') of the dropout form with
+    `drawer_warps` per drawer: its 9 + 2 drawer_warps warps launch as whole warpgroups (16 or 20) sharing the register
+    file; setmaxnreg applies per warpgroup, so the producer's and the drawers' warpgroups (with the padding warps)
+    share one count, 56 or 48 (the drawers' calls in flight spill under 40), and the consumers split the rest (200 or
+    168; ptxas spills nothing at either)."""
+    if drawer_warps not in (2, 4):
+        raise ValueError(f"drawer_warps must be 2 or 4, got {drawer_warps}")
+    groups = 2 + (1 + 2 * drawer_warps + 3) // 4
+    maxnreg = 65536 // (groups * 128) // 8 * 8
+    worker = 56 if drawer_warps == 2 else 48
+    return maxnreg, (groups * maxnreg - (groups - 2) * worker) // 2 // 8 * 8, worker
+
+
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool, max_seqlen_q: int,
               max_seqlen_k: int, window_left: int, window_right: int, softcap: float, dropout_p: float) -> bool:
-    """Whether this kernel covers the call (hopper_common.sm90_dense_ok, and lengths that divide 128: the 2-D TMA
-    views run on into the next head's rows, which only the three-consumer form's 192-query blocks, whose stores are
-    masked, may read)."""
+    """Whether this kernel covers the call (hopper_common.sm90_dense_ok, dropout at head dim 128, and lengths that
+    divide 128: the 2-D TMA views run on into the next head's rows, which only the three-consumer form's 192-query
+    blocks, whose stores are masked, may read)."""
     return (sm90_dense_ok(q, k, v, varlen=varlen, window_left=window_left, window_right=window_right,
-                          softcap=softcap, dropout_p=dropout_p)
+                          softcap=softcap, dropout_p=dropout_p, with_dropout=q.shape[-1] == 128)
             and max_seqlen_q % BLOCK_M == 0 and max_seqlen_k % BLOCK_N == 0)
 
 
-def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None, fold: bool = False) -> None:
+def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None, fold: bool = False,
+             seed_offset=None, dropout_p: float = 0.0) -> None:
     """out (B, Sq, H, D) and lse (B, H, Sq, float32, natural log) for a call `supported` accepted; q: (B, Sq, H, D),
     k, v: (B, Sk, Hk, D); qk_scale = softmax_scale * log2(e); alibi_slopes: None or float32 (H,) / (B, H); fold:
-    config.KernelConfigs.fold_scale (`_softmax_update`, which ignores it with ALiBi)."""
+    config.KernelConfigs.fold_scale (`_softmax_update`, which ignores it with ALiBi). dropout_p > 0: head dim 128,
+    the keep bits drawn from seed_offset (ops.draw_seed_offset's int64 (seed, offset)) at common.dropout_keep's
+    counters, on the grid of one program per query block (the persistent one has no drawers)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    persistent = (persistent_grid("fwd", triton.cdiv(seqlen_q, BLOCK_M), headdim) if PERSISTENT is None
-                  else PERSISTENT)
+    dropout = dropout_p > 0
+    if dropout and (headdim != 128 or seed_offset is None):
+        raise ValueError(f"the Gluon forward draws dropout at head dim 128 from a seed_offset tensor, not at head dim "
+                         f"{headdim} with seed_offset={seed_offset!r}")
+    if dropout:
+        persistent = False
+    elif PERSISTENT is None:
+        persistent = persistent_grid("fwd", triton.cdiv(seqlen_q, BLOCK_M), headdim)
+    else:
+        persistent = PERSISTENT
     consumers = 2 if persistent else CONSUMERS_BY_HEADDIM[headdim]
     block_m = consumers * HALF_M  # three consumers: the last block may run past seqlen_q (masked stores)
     q_desc, q_rows, q_cols = descriptor(q, BLOCK_M if consumers == 2 else HALF_M)  # the kernel's Q_TILES
@@ -480,12 +737,16 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
         order = 0 if causal else order
     else:
         grid = (num_tiles,)
+    if dropout:
+        maxnreg, consumer_regs, worker_regs = dropout_registers(DRAWER_WARPS)
+    else:  # the setmaxnreg counts of the non-dropout forms are in the kernel
+        maxnreg, consumer_regs, worker_regs = (MAXNREG if consumers == 2 else MAXNREG_3), 0, 0
     attn_fwd_hopper_kernel[grid](
-        q_desc, k_desc, v_desc, out, lse, alibi_slopes, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,
+        q_desc, k_desc, v_desc, out, lse, alibi_slopes, seed_offset, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
-        num_tiles, nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale,
+        num_tiles, nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, dropout_p,
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HEAD_GROUP=order, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
-        FOLD=fold, CONSUMERS=consumers,
-        num_warps=4, maxnreg=MAXNREG if consumers == 2 else MAXNREG_3,
+        FOLD=fold, CONSUMERS=consumers, DROPOUT=dropout, DRAWER_WARPS=DRAWER_WARPS, CONSUMER_REGS=consumer_regs,
+        WORKER_REGS=worker_regs, num_warps=4, maxnreg=maxnreg,
     )
