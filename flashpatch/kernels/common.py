@@ -251,6 +251,12 @@ def keep_tile(seed, counter, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
     call: the part of the draw that `dropout_keep` and the Gluon dQ (hopper_dq.dropout_keep_acc) share, so that
     their bits agree by construction."""
     r0, r1, r2, r3 = philox4x32_10(seed, counter)
+    return keep_from_words(r0, r1, r2, r3, dropout_p, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def keep_from_words(r0, r1, r2, r3, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`keep_tile` from its calls' four Philox words (the Gluon dQ draws them as hopper_fwd.philox_wide)."""
     threshold = dropout_threshold(dropout_p)
     # word r[2 * i3 + j3]; joined dims after the three joins: (i >> 4, i & 7, j >> 4, (j >> 1) & 3, j0, j3, i3)
     keep = tl.join(tl.join(tl.join(r0 & 0xFFFF, r0 >> 16), tl.join(r1 & 0xFFFF, r1 >> 16)),

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from flashpatch.kernels.common import dropout_head_rows, keep_tile
+from flashpatch.kernels.common import dropout_head_rows, keep_from_words
 from flashpatch.kernels.config import head_group, persistent_grid, sm_count
 from flashpatch.kernels.hopper_common import AVAILABLE, alibi_batch_stride, descriptor, sm90_dense_ok, tma_load
 
@@ -31,7 +31,7 @@ if AVAILABLE:
 
     from flashpatch.kernels.hopper_fwd import (
         alibi_bias, allocate_kv_ring, allocate_query_barriers, dropout_seed_offset, head_slope_log2, persistent_tile,
-        producer_persistent, query_block_of_tile, query_block_program, stream_kv)
+        philox_wide, producer_persistent, query_block_of_tile, query_block_program, stream_kv)
 
 HALF_M = 64  # queries per consumer warpgroup
 BLOCK_M = 2 * HALF_M  # queries per program
@@ -70,7 +70,8 @@ if AVAILABLE:
         counter, _ = gl.split(counter)  # i3 = 0
         counter, _ = gl.split(counter)  # j3 = 0
         counter, _ = gl.split(counter)  # j0 = 0: (BM / 16, 8, BN / 16, 4), one counter per call
-        keep = keep_tile(seed, counter, dropout_p, BLOCK_M, BLOCK_N)  # the joins undo the splits and the reshape
+        r0, r1, r2, r3 = philox_wide(seed, counter)  # common.keep_tile's words, with fewer instructions
+        keep = keep_from_words(r0, r1, r2, r3, dropout_p, BLOCK_M, BLOCK_N)  # its joins undo the splits and reshape
         return gl.convert_layout(keep, layout, assert_trivial=True)
 
     @gluon.jit
