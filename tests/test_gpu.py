@@ -361,20 +361,29 @@ def _check_dropout_launches(shape, dtype, causal, p, alibi, launches, overrides,
     return calls
 
 
-@needs_gluon
-@pytest.mark.parametrize("case", [
+# Dropout calls for the drawer warps' GPU tests (hopper_dkdv._keep_drawer, hopper_fwd._fwd_keep_drawer): (batch, Sq,
+# Sk, heads, K/V heads, causal, p, ALiBi, dtype), head dim 128
+DRAWER_DROPOUT_CASES = [
     (2, 1024, 1024, 8, 2, True, 0.1, False, torch.bfloat16),
     (1, 640, 1152, 4, 4, True, 0.2, False, torch.bfloat16),  # Sq < Sk, bottom-right causal
     (1, 1152, 640, 4, 4, True, 0.1, False, torch.bfloat16),  # Sq > Sk: the first queries see no key
     (2, 512, 1024, 4, 1, False, 0.1, False, torch.float16),
     (2, 1024, 1024, 8, 2, True, 0.1, True, torch.bfloat16),  # with ALiBi
     (1, 2048, 2048, 2, 2, True, 0.5, False, torch.bfloat16),
-    # the 16-bit threshold's ends, where the drawer's carry addend 2^32 - t * 2^16 wraps to 0: t = 0 keeps every
+    # the 16-bit threshold's ends, where the drawers' carry addend 2^32 - t * 2^16 wraps to 0: t = 0 keeps every
     # weight (p under 2^-17), t = 2^16 drops every one
     (1, 1024, 1024, 2, 2, True, 2e-6, False, torch.bfloat16),
     (1, 1024, 1024, 2, 2, False, 0.999995, False, torch.bfloat16),
-], ids=lambda c: (f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-{'causal' if c[5] else 'full'}-p{c[6]}"
-                  + ("-alibi" if c[7] else "") + f"-{str(c[8]).split('.')[-1]}"))
+]
+
+
+def _drawer_case_id(c):
+    return (f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-{'causal' if c[5] else 'full'}-p{c[6]}"
+            + ("-alibi" if c[7] else "") + f"-{str(c[8]).split('.')[-1]}")
+
+
+@needs_gluon
+@pytest.mark.parametrize("case", DRAWER_DROPOUT_CASES, ids=_drawer_case_id)
 @pytest.mark.parametrize("fused", [False, True], ids=["dq_pass", "fused_dq"])
 def test_gluon_dkdv_dropout_matches_float64(case, fused, monkeypatch):
     # The Gluon dK/dV takes its keep bits from drawer warps as one packed word per consumer thread
@@ -389,17 +398,7 @@ def test_gluon_dkdv_dropout_matches_float64(case, fused, monkeypatch):
 
 
 @needs_gluon
-@pytest.mark.parametrize("case", [
-    (2, 1024, 1024, 8, 2, True, 0.1, False, torch.bfloat16),
-    (1, 640, 1152, 4, 4, True, 0.2, False, torch.bfloat16),  # Sq < Sk, bottom-right causal
-    (1, 1152, 640, 4, 4, True, 0.1, False, torch.bfloat16),  # Sq > Sk: the first queries see no key
-    (2, 512, 1024, 4, 1, False, 0.1, False, torch.float16),
-    (2, 1024, 1024, 8, 2, True, 0.1, True, torch.bfloat16),  # with ALiBi
-    (1, 2048, 2048, 2, 2, True, 0.5, False, torch.bfloat16),
-    (1, 1024, 1024, 2, 2, True, 2e-6, False, torch.bfloat16),  # threshold 0: every weight kept
-    (1, 1024, 1024, 2, 2, False, 0.999995, False, torch.bfloat16),  # threshold 2^16: every weight dropped
-], ids=lambda c: (f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-{'causal' if c[5] else 'full'}-p{c[6]}"
-                  + ("-alibi" if c[7] else "") + f"-{str(c[8]).split('.')[-1]}"))
+@pytest.mark.parametrize("case", DRAWER_DROPOUT_CASES, ids=_drawer_case_id)
 def test_gluon_forward_dropout_matches_float64(case, monkeypatch):
     # The Gluon forward takes its keep bits from drawer warps as two packed words per consumer thread
     # (hopper_fwd._fwd_keep_drawer, _fwd_keep_tile): the pattern that the separate dropout_mask kernel writes must be

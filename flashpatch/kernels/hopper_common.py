@@ -32,6 +32,22 @@ def kept_dims(parent, dims):
     return gl.constexpr(layout)
 
 
+def carry_shift_in_ptx(decisions, addend: str) -> str:
+    """Inline PTX that shifts 16-bit dropout decisions into 32-bit words, one per decision in the order given: a
+    decision half >= t is the carry out of half * 2^16 + (2^32 - t * 2^16) (`addend` holds the latter), and
+    `addc` doubles the word and adds that carry, so the last decision lands at bit 0. `decisions`: (source word
+    operand, "lo" or "hi" half, word operand out, word operand in) each; the drawers of hopper_fwd.py and
+    hopper_dkdv.py build their per-call blocks from it."""
+    lines = ["{", ".reg .b32 t;"]
+    for source, half, word_out, word_in in decisions:
+        if half == "lo":
+            lines += [f"shl.b32 t, {source}, 16;", f"add.cc.u32 t, t, {addend};"]
+        else:
+            lines.append(f"add.cc.u32 t, {source}, {addend};")
+        lines.append(f"addc.u32 {word_out}, {word_in}, {word_in};")
+    return "\n".join(lines + ["}"])
+
+
 TMA_REDUCE = False  # whether tma_reduce_add below could be defined (the fused dQ needs it: hopper_dkdv.fuses_dq)
 if AVAILABLE:
     try:  # private names: a release without them loses the fused dQ only, not the Gluon kernels

@@ -59,8 +59,8 @@ import triton
 from flashpatch.kernels.common import dropout_head_rows, dropout_threshold, head_and_block
 from flashpatch.kernels.config import head_group
 from flashpatch.kernels.hopper_common import (
-    AVAILABLE, TMA_REDUCE, alibi_batch_stride, descriptor, fp32_descriptor, kept_dims, sm90_dense_ok, tma_load,
-    vector_descriptor)
+    AVAILABLE, TMA_REDUCE, alibi_batch_stride, carry_shift_in_ptx, descriptor, fp32_descriptor, kept_dims,
+    sm90_dense_ok, tma_load, vector_descriptor)
 
 if AVAILABLE:
     from triton.experimental import gluon
@@ -171,29 +171,9 @@ if AVAILABLE:
     # carry out of h * 2^16 + (2^32 - t * 2^16), which `addc` shifts in: two or three instructions a decision, against
     # five for an extract, compare, select, shift and OR (NOTES.md v53). $0, $1: the words out; $2..$5: r0..r3;
     # $6: 2^32 - t * 2^16; $7, $8: the words in.
-    _SHIFT_IN_ASM = gl.constexpr("""{
-    .reg .b32 t;
-    shl.b32 t, $5, 16;
-    add.cc.u32 t, t, $6;
-    addc.u32 $0, $7, $7;
-    add.cc.u32 t, $5, $6;
-    addc.u32 $1, $8, $8;
-    shl.b32 t, $4, 16;
-    add.cc.u32 t, t, $6;
-    addc.u32 $0, $0, $0;
-    add.cc.u32 t, $4, $6;
-    addc.u32 $1, $1, $1;
-    shl.b32 t, $3, 16;
-    add.cc.u32 t, t, $6;
-    addc.u32 $0, $0, $0;
-    add.cc.u32 t, $3, $6;
-    addc.u32 $1, $1, $1;
-    shl.b32 t, $2, 16;
-    add.cc.u32 t, t, $6;
-    addc.u32 $0, $0, $0;
-    add.cc.u32 t, $2, $6;
-    addc.u32 $1, $1, $1;
-    }""")
+    _SHIFT_IN_ASM = gl.constexpr(carry_shift_in_ptx(
+        [(r, half, out, word_in if r == "$5" else out)
+         for r in ("$5", "$4", "$3", "$2") for half, out, word_in in (("lo", "$0", "$7"), ("hi", "$1", "$8"))], "$6"))
 
     @gluon.jit
     def _shift_in_call(lo, hi, r0, r1, r2, r3, carry_addend):

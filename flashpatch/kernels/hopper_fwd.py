@@ -39,7 +39,7 @@ import triton
 from flashpatch.kernels.common import dropout_head_rows, dropout_threshold, tile_head_and_block
 from flashpatch.kernels.config import head_group, persistent_grid, sm_count
 from flashpatch.kernels.hopper_common import (
-    AVAILABLE, alibi_batch_stride, descriptor, kept_dims, sm90_dense_ok, tma_load)
+    AVAILABLE, alibi_batch_stride, carry_shift_in_ptx, descriptor, kept_dims, sm90_dense_ok, tma_load)
 
 if AVAILABLE:
     from triton.experimental import gluon
@@ -226,29 +226,9 @@ if AVAILABLE:
     # half >= t is the carry out of half * 2^16 + (2^32 - t * 2^16), which `addc` shifts in (hopper_dkdv.py's
     # drawers do the same for two words at once). $0: the word out; $1..$4: r0..r3; $5: 2^32 - t * 2^16; $6: the
     # word in.
-    _SHIFT_IN_ASM = gl.constexpr("""{
-    .reg .b32 t;
-    add.cc.u32 t, $4, $5;
-    addc.u32 $0, $6, $6;
-    shl.b32 t, $4, 16;
-    add.cc.u32 t, t, $5;
-    addc.u32 $0, $0, $0;
-    add.cc.u32 t, $3, $5;
-    addc.u32 $0, $0, $0;
-    shl.b32 t, $3, 16;
-    add.cc.u32 t, t, $5;
-    addc.u32 $0, $0, $0;
-    add.cc.u32 t, $2, $5;
-    addc.u32 $0, $0, $0;
-    shl.b32 t, $2, 16;
-    add.cc.u32 t, t, $5;
-    addc.u32 $0, $0, $0;
-    add.cc.u32 t, $1, $5;
-    addc.u32 $0, $0, $0;
-    shl.b32 t, $1, 16;
-    add.cc.u32 t, t, $5;
-    addc.u32 $0, $0, $0;
-    }""")
+    _SHIFT_IN_ASM = gl.constexpr(carry_shift_in_ptx(
+        [(r, half, "$0", "$6" if (r, half) == ("$4", "hi") else "$0") for r in ("$4", "$3", "$2", "$1")
+         for half in ("hi", "lo")], "$5"))
 
     @gluon.jit
     def _shift_in_call(word, r0, r1, r2, r3, carry_addend):
@@ -270,7 +250,8 @@ if AVAILABLE:
         common.dropout_keep's counters (the bits that the backward and the Triton kernels draw): the lanes of the
         drawer's warps in layout DRAW over the slot's words, each lane runs calls 4 word .. 4 word + 3 of the
         consumer threads whose words it holds, one call of each at once."""
-        keep_bufs, keep_full, keep_empty, SEED_OFFSET, dropout_p, off_b, nheads, off_h, seqlen_q, seqlen_k, m0, n_steps = args
+        (keep_bufs, keep_full, keep_empty, SEED_OFFSET, dropout_p, off_b, nheads, off_h, seqlen_q, seqlen_k, m0,
+         n_steps) = args
         SLOTS: gl.constexpr = keep_bufs.shape[0] // 2  # each consumer's
         seed, offset = dropout_seed_offset(SEED_OFFSET, True)
         threshold = dropout_threshold(dropout_p)
@@ -279,12 +260,9 @@ if AVAILABLE:
         carry_addend = 0 - (threshold << 16)
         keep_all = threshold == 0
         # counter row rows0 + 8 (query >> 4) + (query & 7) of each of the slot's (4, 8) query rows
-        query_lo = (8 * gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, DRAW))))[
-            :, None, None, None] + gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, DRAW))))[
-            None, :, None, None])
-        word = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, DRAW))))[None, None, :, None]
-        key_mid = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, DRAW))))[
-            None, None, None, :]
+        query_lo = 8 * _draw_index(4, 0, DRAW) + _draw_index(8, 1, DRAW)
+        word = _draw_index(2, 2, DRAW)
+        key_mid = _draw_index(4, 3, DRAW)
         groups_per_row = gl.cdiv(seqlen_k, 16) * 4
         rows0 = dropout_head_rows(off_b, nheads, off_h, seqlen_q) + (m0 + WG * HALF_M) // 2
         for i in range(n_steps):
@@ -302,6 +280,20 @@ if AVAILABLE:
             keep_bufs.index(s).store(gl.where(keep_all, 0xFFFFFFFF, words).to(gl.int32, bitcast=True))
             gl.thread_barrier()  # every lane's words written before the consumer is told
             mbarrier.arrive(keep_full.index(s))
+
+    @gluon.jit
+    def _draw_index(n: gl.constexpr, DIM: gl.constexpr, DRAW: gl.constexpr):
+        """arange(0, n) along dimension DIM of the drawer's 4-D layout DRAW, the other three dimensions of size 1."""
+        L3: gl.constexpr = gl.SliceLayout(3, DRAW)
+        if DIM == 0:
+            return gl.arange(0, n, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None, None]
+        elif DIM == 1:
+            return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None, None]
+        elif DIM == 2:
+            return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :, None]
+        else:
+            return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, DRAW))))[
+                None, None, None, :]
 
     @gluon.jit
     def _fwd_keep_tile(words, like):
