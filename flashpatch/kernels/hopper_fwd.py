@@ -128,14 +128,16 @@ if AVAILABLE:
 
     @gluon.jit
     def _mul_wide(x, ASM: gl.constexpr):
+        """(high word, low word) of x times ASM's multiplier."""
         return gl.inline_asm_elementwise(ASM, "=r,=r,r", [x], dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
 
     @gluon.jit
     def philox_wide(seed, counter):
         """common.philox4x32_10's four words (tl.philox's rounds, the same arithmetic) with each round's two products
-        written as one mul.wide each, for the drawer warps (also hopper_dkdv.py's): from tl.philox's mul.hi and
-        mul.lo ptxas mostly issues two IMADs a product, here one IMAD.WIDE, a third fewer instructions a call
-        (NOTES.md v55). The first round is written out with c2 = c3 = 0."""
+        written as one mul.wide each, for the Gluon kernels that draw keep bits (the drawers here and in
+        hopper_dkdv.py, the dQ pass of hopper_dq.py): from tl.philox's mul.hi and mul.lo ptxas mostly issues two IMADs
+        a product, here one IMAD.WIDE, a third fewer instructions a call (NOTES.md v55). The first round is written
+        out with c2 = c3 = 0."""
         c0 = (counter & 0xFFFFFFFF).to(gl.uint32)
         c1 = (counter >> 32).to(gl.uint32)
         seed = seed.to(gl.uint64)
@@ -239,6 +241,7 @@ if AVAILABLE:
     @gluon.jit
     def _fwd_keep_drawer(args, WG: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          DRAWER_WARPS: gl.constexpr):
+        """Drawer partition WG (`_fwd_keep_draws`), its tile's layout by its warp count."""
         if DRAWER_WARPS == 4:
             _fwd_keep_draws(args, WG, HALF_M, BLOCK_N, FWD_KEEP_DRAW4)
         else:
