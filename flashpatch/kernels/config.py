@@ -190,7 +190,8 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
             atomic_dq=dropout and not grouped,  # round 15: see the docstring
             gluon_dkdv=True,
             # with dropout too since v54 (its drawer warps; H100, forward GPU time, Triton -> Gluon: causal n8192
-            # 1.73-1.75 -> 1.63-1.68 ms, 8 x n2048 0.53 -> 0.50; unmasked 4 x n4096 1.76 -> 1.64-1.71; NOTES.md v54, v55)
+            # 1.73-1.75 -> 1.63-1.68 ms, 8 x n2048 0.53 -> 0.50; unmasked 4 x n4096 1.76 -> 1.64-1.71; NOTES.md v54,
+            # v55)
             gluon_fwd=True,
             gluon_dq=True,
             fused_dq=long_keys,

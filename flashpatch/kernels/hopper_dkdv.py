@@ -56,7 +56,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from flashpatch.kernels.common import dropout_head_rows, dropout_threshold, head_and_block
+from flashpatch.kernels.common import dropout_head_rows, head_and_block
 from flashpatch.kernels.config import head_group
 from flashpatch.kernels.hopper_common import (
     AVAILABLE, TMA_REDUCE, alibi_batch_stride, carry_shift_in_ptx, descriptor, fp32_descriptor, kept_dims,
@@ -70,7 +70,8 @@ if AVAILABLE:
 
     if TMA_REDUCE:
         from flashpatch.kernels.hopper_common import tma_reduce_add
-    from flashpatch.kernels.hopper_fwd import alibi_bias, dropout_seed_offset, head_slope_log2, philox_wide
+    from flashpatch.kernels.hopper_fwd import (
+        alibi_bias, allocate_keep_ring, carry_addend, dropout_seed_offset, head_slope_log2, philox_wide)
 
 BLOCK_M = {64: 64, 128: 64}  # queries per step, by head dim
 HALF_N = 64  # keys per consumer warpgroup
@@ -195,11 +196,7 @@ if AVAILABLE:
         SLOTS: gl.constexpr = keep_bufs.shape[0] // 2  # each consumer's
         key0 = n0 + WG * HALF_N
         seed, offset = dropout_seed_offset(SEED_OFFSET, True)
-        threshold = dropout_threshold(dropout_p)
-        # uint32 arithmetic: 2^32 - t * 2^16, where t = 2^16 (every decision drops) wraps to 0 as it should; t = 0
-        # (p under 2^-17) would wrap to 0 too, hence keep_all
-        carry_addend = 0 - (threshold << 16)
-        keep_all = threshold == 0
+        addend, keep_all = carry_addend(dropout_p)
         key_hi = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, KEEP_DRAW)))[:, None, None]
         key_mid = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, KEEP_DRAW)))[None, :, None]
         query_mid = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, KEEP_DRAW)))[None, None, :]
@@ -216,7 +213,7 @@ if AVAILABLE:
             for j in range(8 if PHILOX else 0):  # a loop: one call's state live
                 c = 7 - j  # query bit 0 + 2 * (query >> 4); the last call shifted in lands at bits 0..3
                 r0, r1, r2, r3 = philox_wide(seed, base + ((c >> 1) * 8 + (c & 1)) * groups_per_row)
-                lo, hi = _shift_in_call(lo, hi, r0, r1, r2, r3, carry_addend)
+                lo, hi = _shift_in_call(lo, hi, r0, r1, r2, r3, addend)
             if PHILOX:
                 lo = gl.where(keep_all, 0xFFFFFFFF, lo)
                 hi = gl.where(keep_all, 0xFFFFFFFF, hi)
@@ -518,12 +515,7 @@ if AVAILABLE:
         if DROPOUT:  # each consumer's ring of keep words (`_keep_drawer`): one slot with the fused dQ (`_step`)
             gl.static_assert(BLOCK_M == 64 and HALF_N == 64, "the keep words are laid out for 64 x 64")
             KEEP_SLOTS: gl.constexpr = 1 if FUSED_DQ else STAGES
-            keep_bufs = gl.allocate_shared_memory(gl.int32, [2 * KEEP_SLOTS, 4, 8, 4], KEEP_SHARED)
-            keep_full = gl.allocate_shared_memory(gl.int64, [2 * KEEP_SLOTS, 1], mbarrier.MBarrierLayout())
-            keep_empty = gl.allocate_shared_memory(gl.int64, [2 * KEEP_SLOTS, 1], mbarrier.MBarrierLayout())
-            for s in gl.static_range(2 * KEEP_SLOTS):
-                mbarrier.init(keep_full.index(s), count=1)  # the drawer's
-                mbarrier.init(keep_empty.index(s), count=1)  # the consumer's
+            keep_bufs, keep_full, keep_empty = allocate_keep_ring(KEEP_SLOTS, [4, 8, 4], KEEP_SHARED)
             keep_parts = (keep_bufs, keep_full, keep_empty, 1.0 / (1.0 - dropout_p))
             nheads = nheads_k * group_size
             drawer_args = (keep_bufs, keep_full, keep_empty, SEED_OFFSET, dropout_p, off_b, nheads, off_h0, seqlen_q,

@@ -121,6 +121,28 @@ if AVAILABLE:
             offset = gl.load(SEED_OFFSET + 1)
         return seed, offset
 
+    @gluon.jit
+    def carry_addend(dropout_p):
+        """(2^32 - t * 2^16 as uint32, whether t = 0) for threshold t = common.dropout_threshold(dropout_p): the addend
+        whose carry out of half * 2^16 + addend is the decision half >= t (hopper_common.carry_shift_in_ptx), for the
+        drawers here and in hopper_dkdv.py. t = 2^16 (every weight dropped) wraps it to 0 as it should; t = 0 (p under
+        2^-17) wraps it to 0 too, so there the caller keeps every weight by the second value."""
+        threshold = dropout_threshold(dropout_p)
+        return 0 - (threshold << 16), threshold == 0
+
+    @gluon.jit
+    def allocate_keep_ring(SLOTS: gl.constexpr, SLOT_SHAPE: gl.constexpr, LAYOUT: gl.constexpr):
+        """The drawers' rings of keep words (also hopper_dkdv.py's): SLOTS int32 slots of SLOT_SHAPE for each of the
+        two consumers (consumer w's are w * SLOTS ..), a `keep_full` mbarrier per slot, which its drawer arrives at,
+        and a `keep_empty` one, which its consumer arrives at."""
+        bufs = gl.allocate_shared_memory(gl.int32, [2 * SLOTS] + SLOT_SHAPE, LAYOUT)
+        full = gl.allocate_shared_memory(gl.int64, [2 * SLOTS, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2 * SLOTS, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(2 * SLOTS):
+            mbarrier.init(full.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        return bufs, full, empty
+
     # The PTX of one 32 x 32 -> 64-bit product by each of Philox's round multipliers (Random123's, as tl.philox) as a
     # (high word, low word) pair
     _MUL_WIDE_A_ASM = gl.constexpr("{ .reg .b64 w; mul.wide.u32 w, $2, 0xD2511F53; mov.b64 {$1, $0}, w; }")
@@ -257,11 +279,7 @@ if AVAILABLE:
          n_steps) = args
         SLOTS: gl.constexpr = keep_bufs.shape[0] // 2  # each consumer's
         seed, offset = dropout_seed_offset(SEED_OFFSET, True)
-        threshold = dropout_threshold(dropout_p)
-        # uint32: 2^32 - t * 2^16; t = 2^16 (every weight dropped) wraps to 0 as it should, t = 0 (p under 2^-17)
-        # would too, hence keep_all
-        carry_addend = 0 - (threshold << 16)
-        keep_all = threshold == 0
+        addend, keep_all = carry_addend(dropout_p)
         # counter row rows0 + 8 (query >> 4) + (query & 7) of each of the slot's (4, 8) query rows
         query_lo = 8 * _draw_index(4, 0, DRAW) + _draw_index(8, 1, DRAW)
         word = _draw_index(2, 2, DRAW)
@@ -279,7 +297,7 @@ if AVAILABLE:
             words = gl.zeros(base.shape, gl.uint32, DRAW)
             for j in range(4):  # a call of each of the lane's words in flight
                 r0, r1, r2, r3 = philox_wide(seed, base - 4 * j)
-                words = _shift_in_call(words, r0, r1, r2, r3, carry_addend)
+                words = _shift_in_call(words, r0, r1, r2, r3, addend)
             keep_bufs.index(s).store(gl.where(keep_all, 0xFFFFFFFF, words).to(gl.int32, bitcast=True))
             gl.thread_barrier()  # every lane's words written before the consumer is told
             mbarrier.arrive(keep_full.index(s))
@@ -583,12 +601,7 @@ if AVAILABLE:
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
         if DROPOUT:  # each consumer's KEEP_SLOTS slots of keep words, filled by its drawer
-            keep_bufs = gl.allocate_shared_memory(gl.int32, [2 * _KEEP_SLOTS, 4, 8, 2, 4], FWD_KEEP_SHARED)
-            keep_full = gl.allocate_shared_memory(gl.int64, [2 * _KEEP_SLOTS, 1], mbarrier.MBarrierLayout())
-            keep_empty = gl.allocate_shared_memory(gl.int64, [2 * _KEEP_SLOTS, 1], mbarrier.MBarrierLayout())
-            for s in gl.static_range(2 * _KEEP_SLOTS):
-                mbarrier.init(keep_full.index(s), count=1)
-                mbarrier.init(keep_empty.index(s), count=1)
+            keep_bufs, keep_full, keep_empty = allocate_keep_ring(_KEEP_SLOTS, [4, 8, 2, 4], FWD_KEEP_SHARED)
         fence_async_shared()
 
         o_base = off_b * stride_ob + off_h * stride_oh
