@@ -79,6 +79,8 @@ def main():
                       CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs)
         if not args.dropout:
             consts.update(SEED_OFFSET=None)  # the launcher's None without dropout
+        if not (args.persistent and args.causal and hf.CAUSAL_SCHEDULE):
+            consts.update(SCHEDULE=None)  # the launcher's None but for a persistent causal grid's table
     consts.update(ALIBI=args.alibi)
     if args.kernel == "dkdv":
         consts.update(DRAW_PHILOX=True)
@@ -111,6 +113,8 @@ def main():
             sig[name] = "fp32"
         elif name == "SEED_OFFSET":
             sig[name] = "*i64"
+        elif name == "SCHEDULE":
+            sig[name] = "*i32"
         else:
             sig[name] = "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)

@@ -5,8 +5,9 @@ gradients against the float64 reference, then GPU kernel time (torch profiler) p
 
 A variant is a VARIANTS entry (Gluon dK/dV or not, its stages, its grid order) plus "+fwd" (the Gluon forward,
 its grid form as config.persistent_grid chooses), "+pfwd" / "+npfwd" (the Gluon forward as a persistent grid or as
-one program per query block, hopper_fwd.PERSISTENT), "+dq" / "+dq128" (the Gluon dQ, 64- or 128-key steps),
-"+pdq" / "+npdq" (the Gluon dQ's grid forced, hopper_dq.PERSISTENT), "+m128" (the d64 Gluon dK/dV
+one program per query block, hopper_fwd.PERSISTENT), "+snake" (a persistent causal forward's blocks by the closed
+form, not schedule.causal_schedule's table: hopper_fwd.CAUSAL_SCHEDULE), "+dq" / "+dq128" (the Gluon dQ, 64- or
+128-key steps), "+pdq" / "+npdq" (the Gluon dQ's grid forced, hopper_dq.PERSISTENT), "+m128" (the d64 Gluon dK/dV
 with 128-query steps), "+gN" (every kernel's grid in head groups of N, config.head_group; g0: all heads in one
 group; a persistent grid orders causal blocks its own way), and round 28's register operands and folded scale:
 "+fold" / "+nofold" (config.KernelConfigs.fold_scale), "+rkv" / "+norkv" (hopper_dkdv.REGISTER_KV forced on or
@@ -203,6 +204,7 @@ def timing(shapes, variants):
             base, *extras = name.split("+")  # +fwd: the Gluon forward; +dq, +dq128: the Gluon dQ
             gluon_fwd = bool({"fwd", "pfwd", "npfwd"} & set(extras))
             hf.PERSISTENT = True if "pfwd" in extras else False if "npfwd" in extras else None
+            hf.CAUSAL_SCHEDULE = "snake" not in extras
             gluon_dq = any(e.startswith(("dq", "pdq", "npdq")) for e in extras)
             hq.BLOCK_N = 128 if "dq128" in extras else 64
             hq.PERSISTENT = True if "pdq" in extras else False if "npdq" in extras else None

@@ -167,14 +167,17 @@ def test_gluon_kernels_alibi_match_float64(case, dtype, monkeypatch):
 
 
 @needs_gluon
-@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "per_block"])
+@pytest.mark.parametrize("persistent,scheduled", [(True, True), (True, False), (False, True)],
+                         ids=["persistent", "persistent_closed_form", "per_block"])
 @pytest.mark.parametrize("case", [GLUON_CASES[i] for i in (0, 2, 4, 7)], ids=_gluon_id)
-def test_gluon_grid_forms_match_float64_bf16(case, persistent, monkeypatch):
+def test_gluon_grid_forms_match_float64_bf16(case, persistent, scheduled, monkeypatch):
     # Both grid forms of the Gluon forward and dQ, whichever config.persistent_grid picks for the shape: one program
     # per SM taking query blocks in turn (two query buffers, a K/V ring that runs on across blocks), or one program
     # per query block. GQA causal, rows that see no key, d64 unmasked, and 320 blocks (more than an H100's 132 SMs:
-    # three rounds, the last one partial)
+    # three rounds, the last one partial); a persistent causal forward takes its blocks from schedule.causal_schedule's
+    # table (in head groups of 4 in the 320-block case, the last group of 2) or from the closed form
     monkeypatch.setattr(hopper_fwd, "PERSISTENT", persistent)
+    monkeypatch.setattr(hopper_fwd, "CAUSAL_SCHEDULE", scheduled)
     monkeypatch.setattr(hopper_dq, "PERSISTENT", persistent)
     _check_gluon_case(case, torch.bfloat16, monkeypatch)
 

@@ -14,6 +14,7 @@ import torch
 import flashpatch
 from flashpatch import ops
 from flashpatch.kernels import config as kernel_config
+from flashpatch.kernels import schedule
 from flashpatch.padding import cu_seqlens_from_lengths
 from flashpatch.reference import varlen_attention_reference
 from tests.helpers import check_against_reference, random_qkv
@@ -421,6 +422,57 @@ def test_persistent_grid_rule():
     assert not kernel_config.persistent_grid("dq", 8, 128, beside_dkdv=True)  # dQ's programs fill dK/dV's tail
     with pytest.raises(ValueError, match="'dkdv'"):
         kernel_config.persistent_grid("dkdv", 8, 128)
+
+
+@pytest.mark.parametrize("num_bh,seqlen_q,seqlen_k,head_group,programs", [
+    (64, 4096, 4096, 4, 132),  # bench_attention's causal n4096 rows, config.head_group's groups
+    (10, 4096, 4096, 4, 132),  # a last group of 2 heads
+    (3, 2048, 2048, 8, 132),  # one group, fewer heads than its size
+    (128, 1024, 1024, 0, 132),  # the 1B recipe's rows: all heads in one group
+    (4, 384, 128, 0, 132),  # Sq > Sk: the first two blocks see no key; fewer tiles than programs
+    (2, 640, 1152, 1, 7),  # Sq < Sk
+    (5, 1023, 1023, 2, 3),  # a last block short of 128 rows
+    (1, 1, 17, 0, 1),
+])
+def test_causal_schedule_runs_each_tile_once_and_balances(num_bh, seqlen_q, seqlen_k, head_group, programs):
+    # schedule.causal_schedule's table: every tile of the grid exactly once, each program's tiles in the order's
+    # sequence (heavy blocks of a head group before light ones, groups in turn), padded with the tile count, which
+    # the kernel skips; and no program loaded past the mean by more than one block (the greedy rule's bound)
+    rounds, table = schedule.causal_schedule(num_bh, seqlen_q, seqlen_k, 128, 128, head_group, programs)
+    num_m = -(-seqlen_q // 128)
+    num_tiles = num_bh * num_m
+    assert len(table) == rounds * programs
+    assert sorted(t for t in table if t != num_tiles) == list(range(num_tiles))
+    cost = {}
+    for tile in range(num_tiles):
+        bh, block = schedule.order_block(tile, num_bh, num_m, head_group)
+        cost[tile] = schedule.causal_steps(block, seqlen_q, seqlen_k, 128, 128) + schedule.BLOCK_OVERHEAD_STEPS
+    assert sorted(schedule.order_block(t, num_bh, num_m, head_group) for t in range(num_tiles)) == \
+        [(bh, block) for bh in range(num_bh) for block in range(num_m)]
+    loads = []
+    for p in range(programs):
+        mine = [t for t in table[p * rounds:(p + 1) * rounds] if t != num_tiles]
+        assert mine == sorted(mine) and table[p * rounds + len(mine):(p + 1) * rounds] == \
+            (num_tiles,) * (rounds - len(mine))
+        loads.append(sum(cost[t] for t in mine))
+    assert max(loads) <= sum(loads) / programs + max(cost.values()) + 1e-9
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(128, 128), (384, 128), (640, 1152), (1023, 1023), (1, 17), (300, 5)])
+def test_causal_steps_count_the_key_blocks_a_query_block_sees(seqlen_q, seqlen_k):
+    # bottom-right aligned: query i sees keys j <= i + Sk - Sq; a block visits every key block up to its last
+    # visible key, none when no row sees a key
+    for block in range(-(-seqlen_q // 128)):
+        rows = range(block * 128, min(block * 128 + 128, seqlen_q))
+        last = max(min(i + seqlen_k - seqlen_q, seqlen_k - 1) for i in rows)
+        assert schedule.causal_steps(block, seqlen_q, seqlen_k, 128, 128) == (last // 128 + 1 if last >= 0 else 0)
+
+
+def test_causal_schedule_rejects_empty_grids():
+    with pytest.raises(ValueError, match="programs=0"):
+        schedule.causal_schedule(4, 1024, 1024, 128, 128, 0, 0)
+    with pytest.raises(ValueError, match="head_group=-1"):
+        schedule.causal_schedule(4, 1024, 1024, 128, 128, -1, 132)
 
 
 @pytest.mark.parametrize("fold", [True, False])

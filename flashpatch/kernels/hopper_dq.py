@@ -30,8 +30,8 @@ if AVAILABLE:
         fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
     from flashpatch.kernels.hopper_fwd import (
-        alibi_bias, allocate_kv_ring, allocate_query_barriers, dropout_seed_offset, head_slope_log2, persistent_tile,
-        philox_wide, producer_persistent, query_block_of_tile, query_block_program, stream_kv)
+        alibi_bias, allocate_kv_ring, allocate_query_barriers, dropout_seed_offset, head_slope_log2, persistent_rounds,
+        persistent_tile, philox_wide, producer_persistent, query_block_of_tile, query_block_program, stream_kv)
 
 HALF_M = 64  # queries per consumer warpgroup
 BLOCK_M = 2 * HALF_M  # queries per program
@@ -196,15 +196,14 @@ if AVAILABLE:
                                                            instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEADDIM, 16])  # (queries, D)
-        num_programs = gl.num_programs(0)
         num_bh = num_tiles // gl.cdiv(seqlen_q, 2 * HALF_M)
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
         seed, offset = dropout_seed_offset(SEED_OFFSET, DROPOUT)
         ring = 0
         done = 0
-        for rnd in range(gl.cdiv(num_tiles, num_programs)):
-            tile = persistent_tile(rnd, num_programs)
+        for rnd in range(persistent_rounds(num_tiles, None, 0)):
+            tile = persistent_tile(rnd, None, 0)
             if tile < num_tiles:
                 off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_of_tile(
                     tile, num_bh, seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_GROUP)
@@ -257,7 +256,7 @@ if AVAILABLE:
             (producer_persistent, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, ready_k,
                                    ready_v, empty, qdo_ready, qdo_empty, q_rows, q_cols, do_rows, do_cols,
                                    k_rows, k_cols, v_rows, v_cols, num_tiles, nheads, group_size, seqlen_q,
-                                   seqlen_k, CAUSAL, 2 * HALF_M, BLOCK_N, STAGES, HEAD_GROUP)),
+                                   seqlen_k, None, 0, CAUSAL, 2 * HALF_M, BLOCK_N, STAGES, HEAD_GROUP)),
         ], [4, 1], [232, 24])
 
     @gluon.jit

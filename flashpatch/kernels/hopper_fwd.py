@@ -38,6 +38,7 @@ import triton
 
 from flashpatch.kernels.common import dropout_head_rows, dropout_threshold, tile_head_and_block
 from flashpatch.kernels.config import head_group, persistent_grid, sm_count
+from flashpatch.kernels.schedule import causal_schedule_tensor
 from flashpatch.kernels.hopper_common import (
     AVAILABLE, alibi_batch_stride, carry_shift_in_ptx, descriptor, kept_dims, sm90_dense_ok, tma_load)
 
@@ -61,6 +62,11 @@ MAXNREG_3 = 128  # three consumers: 13 warps, launched as 16 (a multiple of 4): 
 # The persistent grid (module docstring): None follows config.persistent_grid; True / False force it (the
 # "+pfwd" / "+npfwd" variants of scripts/gluon_check.py, the GPU tests of both forms).
 PERSISTENT: bool | None = None
+# The persistent causal grid's tiles: config.head_group's order dealt out by schedule.causal_schedule (its table), or
+# with False persistent_tile's closed form over all heads block-major (the "+snake" variant of scripts/gluon_check.py).
+# Measured (NOTES.md v56, H100, scripts/fwd_order_bench.py, closed form -> table): causal n4096 / 8192 / 16384
+# 488 / 530 / 576 -> 555 / 591 / 592 TFLOP/s (n4096: 1.15 -> 0.20 GB read from HBM); GQA n2048 and the 1B shape tie.
+CAUSAL_SCHEDULE = True
 # Dropout (head dim 128, the grid of one program per query block): two drawer partitions of DRAWER_WARPS warps each
 # (`_fwd_keep_drawer`) draw each consumer's keep bits beside its matmuls, as hopper_dkdv.py's drawers do for the
 # backward; `dropout_registers` splits the register file. Measured (NOTES.md v54, H100, forward GPU time against the
@@ -485,12 +491,25 @@ if AVAILABLE:
         gl.store(O + o_base + rows[:, None] * stride_os + offs_d[None, :], out, mask=(rows < seqlen_q)[:, None])
 
     @gluon.jit
-    def persistent_tile(rnd, num_programs):
-        """This program's tile in round `rnd` of a persistent grid: every other round runs in reverse (program p takes
-        tile p, then 2P - 1 - p, ...), so over a causal grid ordered heaviest first a program that took a heavy
-        block takes a light one next (scripts/persistent_grid_sim.py: within 1-2% of an even split)."""
+    def persistent_rounds(num_tiles, SCHEDULE, schedule_rounds):
+        """How many tiles each program of a persistent grid takes (`persistent_tile`), some past num_tiles."""
+        if SCHEDULE is None:
+            return gl.cdiv(num_tiles, gl.num_programs(0))
+        else:
+            return schedule_rounds
+
+    @gluon.jit
+    def persistent_tile(rnd, SCHEDULE, schedule_rounds):
+        """This program's tile in round `rnd` of a persistent grid (num_tiles or more: none). With a SCHEDULE
+        table (schedule.causal_schedule: the causal forward), the table's; else every other round runs in reverse
+        (program p takes tile p, then 2P - 1 - p, ...), so over a causal grid ordered heaviest first a program that
+        took a heavy block takes a light one next (scripts/persistent_grid_sim.py: within 1-2% of an even split)."""
         pid = gl.program_id(0)
-        return rnd * num_programs + pid + (rnd % 2) * (num_programs - 1 - 2 * pid)
+        if SCHEDULE is None:
+            num_programs = gl.num_programs(0)
+            return rnd * num_programs + pid + (rnd % 2) * (num_programs - 1 - 2 * pid)
+        else:
+            return gl.load(SCHEDULE + pid * schedule_rounds + rnd)
 
     @gluon.jit
     def allocate_query_barriers():
@@ -506,19 +525,18 @@ if AVAILABLE:
     @gluon.jit
     def producer_persistent(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, ready_k, ready_v, empty,
                             q_ready, q_empty, q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,
-                            num_tiles, nheads, group_size, seqlen_q, seqlen_k, CAUSAL: gl.constexpr,
-                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                            HEAD_GROUP: gl.constexpr):
+                            num_tiles, nheads, group_size, seqlen_q, seqlen_k, SCHEDULE, schedule_rounds,
+                            CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr):
         """A persistent program's producer (also hopper_dq.py's, which passes dO too; the forward passes None): per
         tile, Q (and dO) into one of two buffers once both consumers released it two tiles ago, then the tile's
         K/V blocks into the ring, which runs on across tiles (so the next tile's first blocks load under this
         one's last steps and epilogue)."""
-        num_programs = gl.num_programs(0)
         num_bh = num_tiles // gl.cdiv(seqlen_q, BLOCK_M)
         ring = 0  # key blocks streamed so far
         done = 0  # tiles so far
-        for rnd in range(gl.cdiv(num_tiles, num_programs)):
-            tile = persistent_tile(rnd, num_programs)
+        for rnd in range(persistent_rounds(num_tiles, SCHEDULE, schedule_rounds)):
+            tile = persistent_tile(rnd, SCHEDULE, schedule_rounds)
             if tile < num_tiles:
                 off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_of_tile(
                     tile, num_bh, seqlen_q, seqlen_k, nheads, group_size, CAUSAL, BLOCK_M, BLOCK_N, HEAD_GROUP)
@@ -542,21 +560,21 @@ if AVAILABLE:
     def _fwd_consumer_persistent(q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
                                  ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
                                  stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
-                                 WG: gl.constexpr, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr,
-                                 HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                 HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr):
+                                 SCHEDULE, schedule_rounds, WG: gl.constexpr, CAUSAL: gl.constexpr,
+                                 HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                 STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr,
+                                 FOLD: gl.constexpr):
         """`_fwd_consumer` over this program's tiles, the producer's order; releases Q (`q_empty`) after the
         tile's last step, before its epilogue."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
-        num_programs = gl.num_programs(0)
         num_bh = num_tiles // gl.cdiv(seqlen_q, 2 * HALF_M)
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
         ring = 0
         done = 0
-        for rnd in range(gl.cdiv(num_tiles, num_programs)):
-            tile = persistent_tile(rnd, num_programs)
+        for rnd in range(persistent_rounds(num_tiles, SCHEDULE, schedule_rounds)):
+            tile = persistent_tile(rnd, SCHEDULE, schedule_rounds)
             if tile < num_tiles:
                 off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_of_tile(
                     tile, num_bh, seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_GROUP)
@@ -577,10 +595,10 @@ if AVAILABLE:
 
     @gluon.jit
     def attn_fwd_hopper_kernel(
-        q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, SEED_OFFSET,
+        q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, SEED_OFFSET, SCHEDULE,
         q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
         stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
-        num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, dropout_p,
+        num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, dropout_p, schedule_rounds,
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, PERSISTENT: gl.constexpr,
         FOLD: gl.constexpr, CONSUMERS: gl.constexpr, DROPOUT: gl.constexpr, DRAWER_WARPS: gl.constexpr,
@@ -589,8 +607,8 @@ if AVAILABLE:
         if PERSISTENT:  # num_tiles: batch x heads x query blocks, which the programs take in turn
             _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols, k_rows, k_cols, v_rows,
                             v_cols, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
-                            num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, CAUSAL, HEADDIM, HALF_M,
-                            BLOCK_N, STAGES, HEAD_GROUP, ALIBI, FOLD)
+                            num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, SCHEDULE, schedule_rounds,
+                            CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI, FOLD)
             return
         off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_program(
             seqlen_q, seqlen_k, nheads, group_size, CAUSAL, CONSUMERS * HALF_M, BLOCK_N, HEAD_GROUP)
@@ -660,11 +678,12 @@ if AVAILABLE:
     @gluon.jit
     def _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,
                         stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
-                        num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, CAUSAL: gl.constexpr,
-                        HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr):
+                        num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, SCHEDULE, schedule_rounds,
+                        CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr):
         """The PERSISTENT kernel body: two Q buffers (the next tile's Q loads under this one's steps), the K/V
-        ring, and the same three partitions looping over the program's tiles."""
+        ring, and the same three partitions looping over the program's tiles (`persistent_tile`: SCHEDULE's, or
+        the closed form where it is None)."""
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         k_bufs, v_bufs, ready_k, ready_v, empty = allocate_kv_ring(k_desc, v_desc, STAGES, 2)
         q_ready, q_empty = allocate_query_barriers()
@@ -673,17 +692,17 @@ if AVAILABLE:
             (_fwd_consumer_persistent, (q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
                                         ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
                                         stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
-                                        0, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI,
-                                        FOLD)),
+                                        SCHEDULE, schedule_rounds, 0, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES,
+                                        HEAD_GROUP, ALIBI, FOLD)),
             (_fwd_consumer_persistent, (q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
                                         ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
                                         stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
-                                        1, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI,
-                                        FOLD)),
+                                        SCHEDULE, schedule_rounds, 1, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES,
+                                        HEAD_GROUP, ALIBI, FOLD)),
             (producer_persistent, (q_desc, None, k_desc, v_desc, q_bufs, None, k_bufs, v_bufs, ready_k, ready_v,
                                    empty, q_ready, q_empty, q_rows, q_cols, None, None, k_rows, k_cols, v_rows,
-                                   v_cols, num_tiles, nheads, group_size, seqlen_q, seqlen_k, CAUSAL, 2 * HALF_M,
-                                   BLOCK_N, STAGES, HEAD_GROUP)),
+                                   v_cols, num_tiles, nheads, group_size, seqlen_q, seqlen_k, SCHEDULE,
+                                   schedule_rounds, CAUSAL, 2 * HALF_M, BLOCK_N, STAGES, HEAD_GROUP)),
         ], [4, 1], [232, 24])
 
 
@@ -738,11 +757,16 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     num_m = triton.cdiv(seqlen_q, block_m)
     num_tiles = batch * nheads * num_m
     order = head_group(causal, num_m, q.device)
+    schedule, schedule_rounds = None, 0
     if persistent:
-        # one program per SM; a causal grid all heads block-major, heaviest first, which persistent_tile's
-        # alternating rounds balance (head groups would not balance: scripts/persistent_grid_sim.py)
+        # one program per SM; a causal grid in head groups dealt out by schedule.causal_schedule, or (without
+        # CAUSAL_SCHEDULE) all heads block-major, heaviest first, which persistent_tile's alternating rounds balance
         grid = (min(num_tiles, sm_count(q.device)),)
-        order = 0 if causal else order
+        if causal and CAUSAL_SCHEDULE:
+            schedule, schedule_rounds = causal_schedule_tensor(batch * nheads, seqlen_q, seqlen_k, block_m, BLOCK_N,
+                                                               order, grid[0], q.device)
+        elif causal:
+            order = 0
     else:
         grid = (num_tiles,)
     if dropout:
@@ -750,9 +774,10 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     else:  # the setmaxnreg counts of the non-dropout forms are in the kernel
         maxnreg, consumer_regs, worker_regs = (MAXNREG if consumers == 2 else MAXNREG_3), 0, 0
     attn_fwd_hopper_kernel[grid](
-        q_desc, k_desc, v_desc, out, lse, alibi_slopes, seed_offset, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
-        num_tiles, nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, dropout_p,
+        q_desc, k_desc, v_desc, out, lse, alibi_slopes, seed_offset, schedule, q_rows, q_cols, k_rows, k_cols,
+        v_rows, v_cols, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        alibi_batch_stride(alibi_slopes), num_tiles, nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale,
+        dropout_p, schedule_rounds,
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HEAD_GROUP=order, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
         FOLD=fold, CONSUMERS=consumers, DROPOUT=dropout, DRAWER_WARPS=DRAWER_WARPS, CONSUMER_REGS=consumer_regs,
