@@ -25,6 +25,7 @@ from flashpatch.kernels import hopper_fwd as hf  # noqa: E402
 SHAPES = {
     "c4k": (4, 4096, 16, 16, True), "c8k": (2, 8192, 16, 16, True), "c16k": (1, 16384, 16, 16, True),
     "gqa2k": (8, 2048, 16, 4, True), "1b": (8, 1024, 16, 4, True), "f4k": (4, 4096, 16, 16, False),
+    "f8k": (2, 8192, 16, 16, False), "f16k": (1, 16384, 16, 16, False),
 }
 
 

@@ -182,6 +182,32 @@ def test_gluon_grid_forms_match_float64_bf16(case, persistent, scheduled, monkey
     _check_gluon_case(case, torch.bfloat16, monkeypatch)
 
 
+@needs_gluon
+def test_gluon_forward_in_a_cuda_graph_before_its_schedule_exists(monkeypatch):
+    # A persistent causal forward first met inside a CUDA graph capture cannot copy its block table to the GPU
+    # (schedule.causal_schedule_tensor): it runs the closed form there, whose outputs are the table's, bit for bit
+    from flashpatch.kernels import schedule
+
+    monkeypatch.setattr(hopper_fwd, "PERSISTENT", True)
+    q, k, v = (t.detach() for t in _gluon_qkv(2, 1280, 1280, 5, 5, 128, "bshd", torch.bfloat16))
+    with kernel_config.override(gluon_fwd=True):
+        monkeypatch.setattr(hopper_fwd, "CAUSAL_SCHEDULE", False)
+        flashpatch.flash_attn_func(q, k, v, causal=True)  # compiles the closed form outside the capture
+        monkeypatch.setattr(hopper_fwd, "CAUSAL_SCHEDULE", True)
+        monkeypatch.setattr(schedule, "_TABLES", {})
+        expected = flashpatch.flash_attn_func(q, k, v, causal=True)  # from the table
+        monkeypatch.setattr(schedule, "_TABLES", {})
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            out = flashpatch.flash_attn_func(q, k, v, causal=True)
+        assert not schedule._TABLES  # nothing copied inside the capture
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+
+
 def _gluon_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, order, dtype):
     """q, k, v (requiring grad) of a Gluon case, from seed 0; order "bhsd": (B, H, S, D) in memory, seen as
     (B, S, H, D) like every input."""

@@ -468,6 +468,20 @@ def test_causal_steps_count_the_key_blocks_a_query_block_sees(seqlen_q, seqlen_k
         assert schedule.causal_steps(block, seqlen_q, seqlen_k, 128, 128) == (last // 128 + 1 if last >= 0 else 0)
 
 
+def test_causal_schedule_tensor_is_built_once_per_shape(monkeypatch):
+    monkeypatch.setattr(schedule, "_TABLES", {})
+    monkeypatch.setattr(schedule, "_MAX_TABLES", 2)
+    cpu = torch.device("cpu")
+    table, rounds = schedule.causal_schedule_tensor(3, 1024, 1024, 128, 128, 0, 5, cpu)
+    assert (rounds, tuple(table.tolist())) == schedule.causal_schedule(3, 1024, 1024, 128, 128, 0, 5)
+    assert table.dtype == torch.int32
+    assert schedule.causal_schedule_tensor(3, 1024, 1024, 128, 128, 0, 5, cpu)[0] is table  # kept
+    schedule.causal_schedule_tensor(3, 1024, 1024, 128, 128, 0, 6, cpu)
+    schedule.causal_schedule_tensor(3, 1024, 1024, 128, 128, 0, 7, cpu)  # the third shape drops the first
+    assert len(schedule._TABLES) == 2
+    assert schedule.causal_schedule_tensor(3, 1024, 1024, 128, 128, 0, 5, cpu)[0] is not table
+
+
 def test_causal_schedule_rejects_empty_grids():
     with pytest.raises(ValueError, match="programs=0"):
         schedule.causal_schedule(4, 1024, 1024, 128, 128, 0, 0)

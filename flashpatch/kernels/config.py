@@ -278,8 +278,9 @@ def persistent_grid(kernel: str, num_blocks: int, headdim: int, beside_dkdv: boo
     0.276; causal n4096 0.535 -> 0.524, n8192 1.003 -> 0.998; full n4096 within that run's noise), since each
     block's Q load and first K/V blocks now run under the previous block's steps; the d64 forward (full n4096)
     loses 1-2% (1.283-1.294 -> 1.307-1.308). dQ gains on short rows (0.116 -> 0.108 at the 1B shape) but loses from
-    n2048 on (0.335 -> 0.353, n8192 1.090 -> 1.29): a causal persistent grid cannot keep `head_group`'s head
-    groups, whose L2 sharing dQ needs there, and with at most 8 blocks per head the rule has none anyway. A dQ
+    n2048 on (0.335 -> 0.353, n8192 1.090 -> 1.29): the closed-form deal (hopper_fwd.persistent_tile) cannot keep
+    `head_group`'s head groups, whose L2 sharing dQ needs there (the forward's table, schedule.causal_schedule,
+    can: not tried for dQ), and with at most 8 blocks per head the rule has none anyway. A dQ
     that runs beside dK/dV (KernelConfigs.concurrent_dq) starts its programs as dK/dV's finish, where per-block
     programs fill in and a persistent program's fixed share of the blocks would end late: per block there (the 1B
     shape's backward 0.297-0.298 -> 0.292-0.296 ms, H100, scripts/concurrent_bwd_bench.py)."""

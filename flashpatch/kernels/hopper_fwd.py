@@ -18,7 +18,8 @@ rows, which TMA fills from the next head's rows or with zeros, and the stores sk
 
 A persistent grid (`_persistent_fwd`, where config.persistent_grid chooses it: head dim 128) launches one program per
 SM instead, each looping over query blocks, so that a block's Q load and first K/V blocks run under the
-previous block's steps (NOTES.md v32).
+previous block's steps (NOTES.md v32). Under a causal mask its programs take their blocks from a table built on the
+host (schedule.causal_schedule: head groups kept together for L2, the load balanced, NOTES.md v56).
 
 With dropout (head dim 128, one program per query block) the keep bits come from warps of their own, as in
 hopper_dkdv.py's backward, so that the Philox arithmetic runs beside the consumers' matmuls and softmax (NOTES.md
@@ -760,12 +761,13 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     schedule, schedule_rounds = None, 0
     if persistent:
         # one program per SM; a causal grid in head groups dealt out by schedule.causal_schedule, or (without
-        # CAUSAL_SCHEDULE) all heads block-major, heaviest first, which persistent_tile's alternating rounds balance
+        # CAUSAL_SCHEDULE, or in a CUDA graph capture that finds no table built) all heads block-major, heaviest
+        # first, which persistent_tile's alternating rounds balance
         grid = (min(num_tiles, sm_count(q.device)),)
         if causal and CAUSAL_SCHEDULE:
             schedule, schedule_rounds = causal_schedule_tensor(batch * nheads, seqlen_q, seqlen_k, block_m, BLOCK_N,
                                                                order, grid[0], q.device)
-        elif causal:
+        if causal and schedule is None:
             order = 0
     else:
         grid = (num_tiles,)

@@ -66,9 +66,21 @@ def causal_schedule(num_bh: int, seqlen_q: int, seqlen_k: int, block_m: int, blo
     return rounds, tuple(tile for t in tiles for tile in t + [num_tiles] * (rounds - len(t)))
 
 
-@functools.lru_cache(maxsize=64)
+_TABLES: dict[tuple, tuple[torch.Tensor, int]] = {}  # causal_schedule_tensor's, oldest first
+_MAX_TABLES = 64
+
+
 def causal_schedule_tensor(num_bh: int, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, head_group: int,
-                           programs: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """`causal_schedule` as an int32 tensor on `device` (built once per shape), and its rounds."""
-    rounds, table = causal_schedule(num_bh, seqlen_q, seqlen_k, block_m, block_n, head_group, programs)
-    return torch.tensor(table, dtype=torch.int32, device=device), rounds
+                           programs: int, device: torch.device) -> tuple[torch.Tensor | None, int]:
+    """`causal_schedule` as an int32 tensor on `device` (built once per shape and kept), and its rounds; (None, 0)
+    where it is not built yet and the stream is capturing a CUDA graph, which a host-to-device copy would break (the
+    caller falls back to the closed form: the same results, tile for tile)."""
+    key = (num_bh, seqlen_q, seqlen_k, block_m, block_n, head_group, programs, device)
+    if key not in _TABLES:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None, 0
+        if len(_TABLES) >= _MAX_TABLES:
+            del _TABLES[next(iter(_TABLES))]
+        rounds, table = causal_schedule(num_bh, seqlen_q, seqlen_k, block_m, block_n, head_group, programs)
+        _TABLES[key] = torch.tensor(table, dtype=torch.int32, device=device), rounds
+    return _TABLES[key]
