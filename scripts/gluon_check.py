@@ -6,7 +6,8 @@ gradients against the float64 reference, then GPU kernel time (torch profiler) p
 A variant is a VARIANTS entry (Gluon dK/dV or not, its stages, its grid order) plus "+fwd" (the Gluon forward,
 its grid form as config.persistent_grid chooses), "+pfwd" / "+npfwd" (the Gluon forward as a persistent grid or as
 one program per query block, hopper_fwd.PERSISTENT), "+snake" (a persistent causal forward's blocks by the closed
-form, not schedule.causal_schedule's table: hopper_fwd.CAUSAL_SCHEDULE), "+dq" / "+dq128" (the Gluon dQ, 64- or
+form, not schedule.causal_schedule's table: hopper_fwd.CAUSAL_SCHEDULE), "+eager_pv" (the persistent forward's
+one-step loop, each P V waited for in its own step: hopper_fwd.LAZY_PV off), "+dq" / "+dq128" (the Gluon dQ, 64- or
 128-key steps), "+pdq" / "+npdq" (the Gluon dQ's grid forced, hopper_dq.PERSISTENT), "+m128" (the d64 Gluon dK/dV
 with 128-query steps), "+gN" (every kernel's grid in head groups of N, config.head_group; g0: all heads in one
 group; a persistent grid orders causal blocks its own way), and round 28's register operands and folded scale:
@@ -205,6 +206,7 @@ def timing(shapes, variants):
             gluon_fwd = bool({"fwd", "pfwd", "npfwd"} & set(extras))
             hf.PERSISTENT = True if "pfwd" in extras else False if "npfwd" in extras else None
             hf.CAUSAL_SCHEDULE = "snake" not in extras
+            hf.LAZY_PV = "eager_pv" not in extras
             gluon_dq = any(e.startswith(("dq", "pdq", "npdq")) for e in extras)
             hq.BLOCK_N = 128 if "dq128" in extras else 64
             hq.PERSISTENT = True if "pdq" in extras else False if "npdq" in extras else None

@@ -19,7 +19,9 @@ rows, which TMA fills from the next head's rows or with zeros, and the stores sk
 A persistent grid (`_persistent_fwd`, where config.persistent_grid chooses it: head dim 128) launches one program per
 SM instead, each looping over query blocks, so that a block's Q load and first K/V blocks run under the
 previous block's steps (NOTES.md v32). Under a causal mask its programs take their blocks from a table built on the
-host (schedule.causal_schedule: head groups kept together for L2, the load balanced, NOTES.md v56).
+host (schedule.causal_schedule: head groups kept together for L2, the load balanced, NOTES.md v56). Its consumers'
+loop is pipelined by one matmul (`_fwd_block_lazy`, NOTES.md v57): a step issues the previous block's P V and then its
+own S = Q Kᵀ and waits for both, so the tensor core runs them back to back.
 
 With dropout (head dim 128, one program per query block) the keep bits come from warps of their own, as in
 hopper_dkdv.py's backward, so that the Philox arithmetic runs beside the consumers' matmuls and softmax (NOTES.md
@@ -68,6 +70,11 @@ PERSISTENT: bool | None = None
 # Measured (NOTES.md v56, H100, scripts/fwd_order_bench.py, closed form -> table): causal n4096 / 8192 / 16384
 # 488 / 530 / 576 -> 555 / 591 / 592 TFLOP/s (n4096: 1.15 -> 0.20 GB read from HBM); GQA n2048 and the 1B shape tie.
 CAUSAL_SCHEDULE = True
+# The persistent forward's loop pipelined by one matmul (`_fwd_block_lazy`: each step issues the previous block's P V
+# and its own S together), or with False `_fwd_block`'s step (the "+eager_pv" variant of scripts/gluon_check.py).
+# Bit-identical; measured (NOTES.md v57, H100, forward GPU time, median of five interleaved runs, us): unmasked n4096
+# 1027 -> 956, n16384 3962 -> 3618; causal n4096 537 -> 524, n8192 1016 -> 984; the 1B shape ties.
+LAZY_PV = True
 # Dropout (head dim 128, the grid of one program per query block): two drawer partitions of DRAWER_WARPS warps each
 # (`_fwd_keep_drawer`) draw each consumer's keep bits beside its matmuls, as hopper_dkdv.py's drawers do for the
 # backward; `dropout_registers` splits the register file. Measured (NOTES.md v54, H100, forward GPU time against the
@@ -473,6 +480,61 @@ if AVAILABLE:
         return acc, m_i, l_i
 
     @gluon.jit
+    def _fwd_block_lazy(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
+                        shift, n_full, n_steps, qk_scale, alibi_log2, HEADDIM: gl.constexpr, HALF_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr):
+        """`_fwd_block` (ONE_LOOP, no dropout) software-pipelined by one matmul: step i issues block i - 1's P V and
+        then block i's S = Q Kᵀ and waits for both at once, so the tensor core runs them back to back instead of
+        idling while the warpgroup waits for P V, releases the slot, and issues the next S. P is carried from one
+        step to the next as the bf16 matmul operand; the same arithmetic in the same order as `_fwd_block`."""
+        s_layout: gl.constexpr = zero_s.type.layout
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEADDIM, 16])  # (queries, D)
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
+        p_op = gl.zeros([HALF_M, BLOCK_N], q_s.dtype, a_layout)  # block i - 1's P, the next P V's A operand
+        mbarrier.wait(q_bar, q_phase)
+        if n_steps > 0:  # block 0's S and P (a row block past every key, causal with Sq > Sk, has no steps)
+            mbarrier.wait(ready_k.index(ring % STAGES), (ring // STAGES) & 1)
+            qk = warpgroup_mma(q_s, k_bufs.index(ring % STAGES).permute((1, 0)), zero_s, use_acc=False,
+                               is_async=True)
+            qk = warpgroup_mma_wait(0, deps=(qk, ))
+            if n_full > 0:
+                p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, 0, shift, qk_scale, alibi_log2,
+                                                     False, ALIBI, BLOCK_N, FOLD)
+            else:
+                p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, 0, shift, qk_scale, alibi_log2,
+                                                     True, ALIBI, BLOCK_N, FOLD)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p_op = gl.convert_layout(p.to(q_s.dtype), a_layout)
+        for i in range(1, n_steps):
+            prev = (ring + i - 1) % STAGES
+            mbarrier.wait(ready_v.index(prev), ((ring + i - 1) // STAGES) & 1)
+            pv = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+            s = (ring + i) % STAGES
+            mbarrier.wait(ready_k.index(s), ((ring + i) // STAGES) & 1)
+            qk = warpgroup_mma(q_s, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            qk, acc = warpgroup_mma_wait(0, deps=(qk, pv))
+            mbarrier.arrive(empty.index(prev))
+            if i < n_full:
+                p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2,
+                                                     False, ALIBI, BLOCK_N, FOLD)
+            else:
+                p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2,
+                                                     True, ALIBI, BLOCK_N, FOLD)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p_op = gl.convert_layout(p.to(q_s.dtype), a_layout)
+        if n_steps > 0:  # the last block's P V
+            last = (ring + n_steps - 1) % STAGES
+            mbarrier.wait(ready_v.index(last), ((ring + n_steps - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(empty.index(last))
+        return acc, m_i, l_i
+
+    @gluon.jit
     def _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, row0, seqlen_q,
                       dtype: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, keep_fraction,
                       DROPOUT: gl.constexpr):
@@ -564,7 +626,7 @@ if AVAILABLE:
                                  SCHEDULE, schedule_rounds, WG: gl.constexpr, CAUSAL: gl.constexpr,
                                  HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                  STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr,
-                                 FOLD: gl.constexpr):
+                                 FOLD: gl.constexpr, LAZY: gl.constexpr):
         """`_fwd_consumer` over this program's tiles, the producer's order; releases Q (`q_empty`) after the
         tile's last step, before its epilogue."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -583,10 +645,16 @@ if AVAILABLE:
                 qb = done % 2
                 q_s = q_bufs.index(qb).slice(WG * HALF_M, HALF_M)  # (HALF_M, D)
                 offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
-                acc, m_i, l_i = _fwd_block(q_s, q_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs, ready_k,
-                                           ready_v, empty, zero_s, offs_m, offs_n, shift, n_full, n_steps, qk_scale,
-                                           alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, True, FOLD, 0, WG,
-                                           False)
+                if LAZY:
+                    acc, m_i, l_i = _fwd_block_lazy(q_s, q_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs,
+                                                    ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift, n_full,
+                                                    n_steps, qk_scale, alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES,
+                                                    ALIBI, FOLD)
+                else:
+                    acc, m_i, l_i = _fwd_block(q_s, q_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs,
+                                               ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift, n_full,
+                                               n_steps, qk_scale, alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES,
+                                               ALIBI, True, FOLD, 0, WG, False)
                 mbarrier.arrive(q_empty.index(qb))
                 _fwd_epilogue(acc, m_i, l_i, O, LSE, off_b * stride_ob + off_h * stride_oh, stride_os,
                               off_b * stride_lse_b + off_h * stride_lse_h, offs_m, m0 + WG * HALF_M, seqlen_q,
@@ -603,13 +671,13 @@ if AVAILABLE:
         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, PERSISTENT: gl.constexpr,
         FOLD: gl.constexpr, CONSUMERS: gl.constexpr, DROPOUT: gl.constexpr, DRAWER_WARPS: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr, LAZY_PV: gl.constexpr,
     ):
         if PERSISTENT:  # num_tiles: batch x heads x query blocks, which the programs take in turn
             _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols, k_rows, k_cols, v_rows,
                             v_cols, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
                             num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, SCHEDULE, schedule_rounds,
-                            CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI, FOLD)
+                            CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI, FOLD, LAZY_PV)
             return
         off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_program(
             seqlen_q, seqlen_k, nheads, group_size, CAUSAL, CONSUMERS * HALF_M, BLOCK_N, HEAD_GROUP)
@@ -681,7 +749,8 @@ if AVAILABLE:
                         stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
                         num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, SCHEDULE, schedule_rounds,
                         CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr):
+                        STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr,
+                        LAZY_PV: gl.constexpr):
         """The PERSISTENT kernel body: two Q buffers (the next tile's Q loads under this one's steps), the K/V
         ring, and the same three partitions looping over the program's tiles (`persistent_tile`: SCHEDULE's, or
         the closed form where it is None)."""
@@ -694,12 +763,12 @@ if AVAILABLE:
                                         ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
                                         stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
                                         SCHEDULE, schedule_rounds, 0, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES,
-                                        HEAD_GROUP, ALIBI, FOLD)),
+                                        HEAD_GROUP, ALIBI, FOLD, LAZY_PV)),
             (_fwd_consumer_persistent, (q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
                                         ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
                                         stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
                                         SCHEDULE, schedule_rounds, 1, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES,
-                                        HEAD_GROUP, ALIBI, FOLD)),
+                                        HEAD_GROUP, ALIBI, FOLD, LAZY_PV)),
             (producer_persistent, (q_desc, None, k_desc, v_desc, q_bufs, None, k_bufs, v_bufs, ready_k, ready_v,
                                    empty, q_ready, q_empty, q_rows, q_cols, None, None, k_rows, k_cols, v_rows,
                                    v_cols, num_tiles, nheads, group_size, seqlen_q, seqlen_k, SCHEDULE,
@@ -783,5 +852,5 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HEAD_GROUP=order, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
         FOLD=fold, CONSUMERS=consumers, DROPOUT=dropout, DRAWER_WARPS=DRAWER_WARPS, CONSUMER_REGS=consumer_regs,
-        WORKER_REGS=worker_regs, num_warps=4, maxnreg=maxnreg,
+        WORKER_REGS=worker_regs, LAZY_PV=LAZY_PV and persistent, num_warps=4, maxnreg=maxnreg,
     )
