@@ -501,14 +501,8 @@ if AVAILABLE:
             qk = warpgroup_mma(q_s, k_bufs.index(ring % STAGES).permute((1, 0)), zero_s, use_acc=False,
                                is_async=True)
             qk = warpgroup_mma_wait(0, deps=(qk, ))
-            if n_full > 0:
-                p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, 0, shift, qk_scale, alibi_log2,
-                                                     False, ALIBI, BLOCK_N, FOLD)
-            else:
-                p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, 0, shift, qk_scale, alibi_log2,
-                                                     True, ALIBI, BLOCK_N, FOLD)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            p_op = gl.convert_layout(p.to(q_s.dtype), a_layout)
+            p_op, acc, m_i, l_i = _lazy_softmax(qk, acc, m_i, l_i, offs_m, offs_n, 0, n_full, shift, qk_scale,
+                                                alibi_log2, q_s.dtype, a_layout, ALIBI, BLOCK_N, FOLD)
         for i in range(1, n_steps):
             prev = (ring + i - 1) % STAGES
             mbarrier.wait(ready_v.index(prev), ((ring + i - 1) // STAGES) & 1)
@@ -518,14 +512,8 @@ if AVAILABLE:
             qk = warpgroup_mma(q_s, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             qk, acc = warpgroup_mma_wait(0, deps=(qk, pv))
             mbarrier.arrive(empty.index(prev))
-            if i < n_full:
-                p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2,
-                                                     False, ALIBI, BLOCK_N, FOLD)
-            else:
-                p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2,
-                                                     True, ALIBI, BLOCK_N, FOLD)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            p_op = gl.convert_layout(p.to(q_s.dtype), a_layout)
+            p_op, acc, m_i, l_i = _lazy_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_full, shift, qk_scale,
+                                                alibi_log2, q_s.dtype, a_layout, ALIBI, BLOCK_N, FOLD)
         if n_steps > 0:  # the last block's P V
             last = (ring + n_steps - 1) % STAGES
             mbarrier.wait(ready_v.index(last), ((ring + n_steps - 1) // STAGES) & 1)
@@ -533,6 +521,21 @@ if AVAILABLE:
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(empty.index(last))
         return acc, m_i, l_i
+
+    @gluon.jit
+    def _lazy_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_full, shift, qk_scale, alibi_log2,
+                      dtype: gl.constexpr, a_layout: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
+                      FOLD: gl.constexpr):
+        """`_fwd_block_lazy`'s step after its wait: block i's scores into P (the next P V's A operand: dtype, a_layout),
+        masked past the first n_full blocks, and acc rescaled by the running max's change."""
+        if i < n_full:
+            p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2, False,
+                                                 ALIBI, BLOCK_N, FOLD)
+        else:
+            p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2, True,
+                                                 ALIBI, BLOCK_N, FOLD)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+        return gl.convert_layout(p.to(dtype), a_layout), acc, m_i, l_i
 
     @gluon.jit
     def _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, row0, seqlen_q,
