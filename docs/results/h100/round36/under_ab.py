@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 import torch
 from triton.testing import do_bench
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[4]))  # the repository root
 import flashpatch
 from flashpatch.kernels import hopper_fwd as hf
 
