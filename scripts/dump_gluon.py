@@ -76,7 +76,7 @@ def main():
         consts = dict(CAUSAL=args.causal, HEADDIM=d, HALF_M=hf.HALF_M, BLOCK_N=hf.BLOCK_N,
                       STAGES=args.stages or hf.STAGES, HEAD_GROUP=args.head_group, PERSISTENT=args.persistent,
                       CONSUMERS=consumers, DROPOUT=args.dropout, DRAWER_WARPS=drawer_warps,
-                      CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs, LAZY_PV=hf.LAZY_PV and args.persistent)
+                      CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs, LAZY_PV=hf.LAZY_PV)
         if not args.dropout:
             consts.update(SEED_OFFSET=None)  # the launcher's None without dropout
         if not (args.persistent and args.causal and hf.CAUSAL_SCHEDULE):

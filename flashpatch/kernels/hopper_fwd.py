@@ -855,5 +855,5 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HEAD_GROUP=order, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
         FOLD=fold, CONSUMERS=consumers, DROPOUT=dropout, DRAWER_WARPS=DRAWER_WARPS, CONSUMER_REGS=consumer_regs,
-        WORKER_REGS=worker_regs, LAZY_PV=LAZY_PV and persistent, num_warps=4, maxnreg=maxnreg,
+        WORKER_REGS=worker_regs, LAZY_PV=LAZY_PV, num_warps=4, maxnreg=maxnreg,  # read by the persistent body only
     )
