@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from flashpatch.integrations import hf_padding_free as _pf
 from flashpatch.integrations import transformers as _hf
 
 _STATE = "_flashpatch_state"
@@ -86,19 +87,38 @@ def _install_probe(model: torch.nn.Module, state: dict) -> None:
     state["probe"] = (model.register_forward_pre_hook(before), model.register_forward_hook(after))
 
 
-def patch_model(model: torch.nn.Module) -> torch.nn.Module:
+def patch_model(model: torch.nn.Module, padding_free: bool = False) -> torch.nn.Module:
     """Switch `model` (and every sub-model and sub-config) to flashpatch attention. Idempotent; returns the model.
 
-    Raises NotImplementedError for models flashpatch cannot run correctly (see docs/patch_support.md).
+    padding_free: also run padded batches without their padding, end to end. A forward that gets a 2-D
+        `attention_mask` with padding and builds no KV cache (no cache passed, `use_cache` not True; in eval mode
+        also not the config's default) packs the real tokens into one row, with the positions the padded row
+        gives them and the rows' boundaries as cu_seqlens, so that embeddings, norms, MLPs, the LM head and the
+        loss compute no pad. Outputs come back padded: logits (batch, length, vocab) and hidden states with zeros
+        at pads, the loss that of the padded batch (causal targets shifted within each row; `-100` and
+        `num_items_in_batch` as usual). Targets predicted from a pad position (left padding with a label on a
+        row's first real token) are left out of the loss, with a warning. Batches without padding, generation
+        and KV-cache decoding run as without it. Verified families and heads only: `hf_padding_free.VERIFIED`.
+
+    Raises NotImplementedError for models flashpatch cannot run correctly (see docs/patch_support.md), ValueError
+    when the model is already patched with the other padding_free setting.
     """
     _hf.register()
-    if getattr(model, _STATE, None) is not None:
+    state = getattr(model, _STATE, None)
+    if state is not None:
+        if state.get("padding_free", False) != padding_free:
+            raise ValueError(
+                f"flashpatch: the model is already patched with padding_free={not padding_free}; call "
+                "unpatch_model(model) first to change it."
+            )
         return model
     models = _pretrained_models(model)
     _check_supported(models)
+    if padding_free:
+        _pf.check_supported(models[0])
     # Record before switching: set_attn_implementation also rewrites sub-configs it cannot check.
     previous = [(c, c._attn_implementation_internal) for c in _all_configs(models)]
-    state = {"previous": previous}
+    state = {"previous": previous, "padding_free": padding_free}
     try:
         models[0].set_attn_implementation(_hf.ATTN_IMPLEMENTATION)
         for m in models[1:]:  # nested models whose config is not a declared sub-config of the top one
@@ -107,6 +127,9 @@ def patch_model(model: torch.nn.Module) -> torch.nn.Module:
     except Exception:
         _restore(previous)
         raise
+    if padding_free:
+        _pf.install(models[0])  # the outermost transformers model: PEFT and Trainer call through it
+        state["padding_free_model"] = models[0]
     _install_probe(models[0], state)
     setattr(model, _STATE, state)
     return model
@@ -124,6 +147,8 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
         return model
     for handle in state.pop("probe", ()):
         handle.remove()
+    if state.get("padding_free_model") is not None:
+        _pf.uninstall(state["padding_free_model"])
     _restore(state["previous"])
     delattr(model, _STATE)
     return model

@@ -34,6 +34,7 @@ _warned: set[str] = set()
 # here. Not under torch.compile: a traced global counter is a guard on its value, so every layer's call would
 # recompile the function (and past dynamo's recompile limit run eagerly between graph breaks: 4x slower training).
 CALLS = [0]
+VARLEN_CALLS = [0]  # the eager calls that got cu_seq_lens_* kwargs (a padding-free forward checks all of them did)
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -211,6 +212,8 @@ def fpatch_attention_forward(
         deterministic=bool(deterministic if deterministic is not None else torch.are_deterministic_algorithms_enabled()),
     )
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        if not torch.compiler.is_compiling():
+            VARLEN_CALLS[0] += 1
         out = _run_flattened(q, k, v, kwargs, flash_kwargs)
     elif attention_mask is not None and attention_mask.dim() == 1:  # packed documents (hf_masks.fpatch_mask)
         out = _run_documents(q, k, v, attention_mask, flash_kwargs)
