@@ -130,7 +130,11 @@ def _sync(device: torch.device):
 
 def build_training(impl: str, cfg: TrainConfig, accelerator, tokenizer):
     """(model, optimizer, scheduler) for one implementation, prepared by accelerate and in train mode."""
-    model = build_model(cfg, "fpatch" if impl == "fpatch" else impl, tokenizer, accelerator.device)
+    model = build_model(cfg, "fpatch" if impl.startswith("fpatch") else impl, tokenizer, accelerator.device)
+    if impl == "fpatch_pf":  # the padded batches as they are; flashpatch packs their real tokens in the forward
+        import flashpatch
+
+        flashpatch.patch_model(model, padding_free=True)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
@@ -147,8 +151,9 @@ def build_training(impl: str, cfg: TrainConfig, accelerator, tokenizer):
 
 
 def device_inputs(impl: str, cfg: TrainConfig, batch: dict, device: torch.device) -> dict:
-    """The model's inputs for one batch, on the device. "unpadded": flashpatch gets each padded batch as one row of
-    real tokens with varlen kwargs; the others run the padded batch. Both losses cover the same tokens."""
+    """The model's inputs for one batch, on the device. "unpadded": fpatch gets each padded batch as one row of
+    real tokens with varlen kwargs; the others (fpatch_pf included) run the padded batch. The losses cover the same
+    tokens."""
     if cfg.data_mode == "unpadded" and impl == "fpatch":
         batch = import_corpus().flatten_padded_batch(batch)
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -358,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     results = []
     for impl in cfg.implementations:
-        reason = fp_error if impl == "fpatch" else None
+        reason = fp_error if impl.startswith("fpatch") else None
         results.append(run_implementation(impl, cfg, accelerator, batches, tokenizer, reason))
         accelerator.wait_for_everyone()
 
@@ -369,7 +374,8 @@ def main(argv: list[str] | None = None) -> dict:
             "documents": len(dataset),
             "note": "padded and unpadded modes make the same padded batches; eager/sdpa/flex run them padded; "
             "fpatch unpads each layer's attention in padded mode and gets one row of real tokens (varlen kwargs, no "
-            "layer computes on padding) in unpadded mode",
+            "layer computes on padding) in unpadded mode; fpatch_pf runs the padded batches through "
+            "patch_model(padding_free=True), which packs them in the forward",
         },
         "results": results,
     }

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import yaml
 
-IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "fpatch")
+# fpatch_pf: flashpatch with patch_model(model, padding_free=True): padded batches as they are, packed by flashpatch
+IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "fpatch", "fpatch_pf")
 COMPILE_MODES = ("", "default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that replay the step's kernels as CUDA graphs
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"

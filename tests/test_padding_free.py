@@ -403,3 +403,35 @@ def test_attention_switched_away_after_patching_is_an_error():
     model.config._attn_implementation_internal = "sdpa"
     with pytest.raises(RuntimeError, match="cu_seq_lens"):
         model(**batch_of(LENGTHS, "right"))
+
+
+def test_train_recipe_runs_padding_free(tmp_path):
+    """recipes/train.py on the tiny config, padded batches: sdpa and fpatch_pf on them as they are, fpatch on them
+    hand-flattened (data_mode unpadded). Same init, same batches, same tokens in the loss: the same losses."""
+    import sys
+    from pathlib import Path
+
+    recipes = Path(__file__).resolve().parent.parent / "recipes"
+    sys.path.insert(0, str(recipes))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(recipes))
+    before = fp_hf.VARLEN_CALLS[0]
+    out = train.main([
+        "--config", str(recipes.parent / "configs" / "tiny_cpu.yaml"), "--implementations", "sdpa,fpatch,fpatch_pf",
+        "--data_mode", "unpadded", "--seq_len", "32", "--batch_size", "3", "--steps", "2", "--warmup_steps", "0",
+        "--hidden_size", "32", "--num_heads", "2", "--num_kv_heads", "1", "--intermediate_size", "64",
+        "--corpus_max_bytes", "200000", "--corpus_max_file_bytes", "40", "--plots", "false",
+        "--output_dir", str(tmp_path),
+    ])
+    rows = {r["implementation"]: r for r in out["results"]}
+    for impl, row in rows.items():
+        assert row["status"] == "ok", row
+        assert len(row["losses"]) == 2 and row["real_tokens"] == rows["sdpa"]["real_tokens"]
+    assert rows["fpatch_pf"]["attn_implementation"] == "fpatch"
+    assert rows["sdpa"]["padding_fraction"] > 0.05, "the batches should carry padding"
+    assert fp_hf.VARLEN_CALLS[0] - before == 2 * 2 * 2, "fpatch and fpatch_pf: 2 steps of 2 layers each, packed"
+    for impl in ("fpatch", "fpatch_pf"):
+        torch.testing.assert_close(torch.tensor(rows[impl]["losses"]), torch.tensor(rows["sdpa"]["losses"]),
+                                   rtol=1e-5, atol=0)
