@@ -405,6 +405,29 @@ def test_attention_switched_away_after_patching_is_an_error():
         model(**batch_of(LENGTHS, "right"))
 
 
+def test_torch_compile_matches_eager_and_settles():
+    """torch.compile of a padding-free model: loss and gradients bit-equal to the same model run eagerly; the packed
+    row's length changes every batch, so the second batch recompiles once (dynamic from then on), the third not."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    model = flashpatch.patch_model(build("llama"), padding_free=True)
+    batches = [batch_of(LENGTHS, "right"), batch_of((SEQ, 3, 9, 12), "left", seed=16), batch_of((5, 7, 2, 13), "right", seed=17)]
+    eager = [forward_backward(model, batch) for batch in batches]
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="eager")
+    frames = []
+    for batch, (_, loss_e, grads_e) in zip(batches, eager):
+        _, loss_c, grads_c = forward_backward(compiled, batch)
+        frames.append(counters["frames"]["total"])
+        torch.testing.assert_close(loss_c, loss_e, rtol=0, atol=0)
+        for name, grad in grads_e.items():
+            torch.testing.assert_close(grads_c["_orig_mod." + name], grad, rtol=0, atol=0, msg=name)
+    assert frames[2] == frames[1], f"the third batch compiled {frames[2] - frames[1]} more frames"
+    torch._dynamo.reset()
+
+
 def test_train_recipe_runs_padding_free(tmp_path):
     """recipes/train.py on the tiny config, padded batches: sdpa and fpatch_pf on them as they are, fpatch on them
     hand-flattened (data_mode unpadded). Same init, same batches, same tokens in the loss: the same losses."""

@@ -28,6 +28,7 @@ import itertools
 import types
 
 import torch
+import torch._dynamo  # maybe_mark_dynamic
 import torch.nn.functional as F
 
 from flashpatch.integrations import transformers as _hf
@@ -152,7 +153,7 @@ def _pack(model: torch.nn.Module, call: dict, causal: bool):
     first = real.int().argmax(1)
     last = length - 1 - real.flip(1).int().argmax(1)
     holes = ((last - first + 1 != lengths) & (lengths > 0)).any()
-    binary = ((mask == 0) | (mask == 1)).all() if mask.dtype != torch.bool else torch.ones((), dtype=torch.bool)
+    binary = ((mask == 0) | (mask == 1)).all() if mask.dtype != torch.bool else real.new_ones(())
 
     ignore = call.get("ignore_index", -100)
     labels, shift = call.get("labels"), call.get("shift_labels")
@@ -181,11 +182,14 @@ def _pack(model: torch.nn.Module, call: dict, causal: bool):
         )
 
     indices = real.flatten().nonzero().flatten()  # (T,)
+    torch._dynamo.maybe_mark_dynamic(indices, 0)
     device = mask.device
 
     def gather(t: torch.Tensor) -> torch.Tensor:
         t = t.expand(batch, *t.shape[1:]) if t.shape[0] == 1 else t
-        return t.reshape(batch * length, *t.shape[2:])[indices].unsqueeze(0)  # (1, T, ...)
+        row = t.reshape(batch * length, *t.shape[2:])[indices].unsqueeze(0)  # (1, T, ...)
+        torch._dynamo.maybe_mark_dynamic(row, 1)  # T changes every batch: a compiled model traces it symbolically
+        return row
 
     packed = dict(call)
     for name in ("input_ids", "inputs_embeds", "token_type_ids"):
@@ -197,12 +201,15 @@ def _pack(model: torch.nn.Module, call: dict, causal: bool):
         packed["shift_labels"] = gather(targets)
         # the same targets for a loss that shifts `labels` by itself; position 0's label is never a target
         packed["labels"] = F.pad(packed["shift_labels"][:, :-1], (1, 0), value=ignore)
+        torch._dynamo.maybe_mark_dynamic(packed["labels"], 1)
     elif targets is not None:
         packed["labels"] = gather(targets)
     nonempty = [n for n in lengths_host if n]  # rows without a real token are no document at all
     cu_seqlens = torch.tensor([0, *itertools.accumulate(nonempty)], dtype=torch.int32, device=device)
-    packed.update(attention_mask=None, cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
-                  max_length_q=max(nonempty), max_length_k=max(nonempty))
+    torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
+    # No max_length_q/k: Python ints would be values a compiled model guards on (a recompile per batch); the
+    # attention function reads the longest row from cu_seqlens once per forward instead.
+    packed.update(attention_mask=None, cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens)
     if "use_cache" in _parameters(type(model)):
         packed["use_cache"] = False
     return packed, (indices, batch, length)

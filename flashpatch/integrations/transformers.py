@@ -99,8 +99,10 @@ def _varlen_from_kwargs(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, int, 
     cu_q = (cu_q if cu_q is not None else cu_k).to(torch.int32)
     cu_k = (cu_k if cu_k is not None else cu_q).to(torch.int32)
     max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
-    max_q = int(max_q) if max_q is not None else max_seqlen_from_cu_seqlens(cu_q)
-    max_k = int(max_k) if max_k is not None else max_seqlen_from_cu_seqlens(cu_k)
+    # Read once per forward from the tensor when not given (every layer gets the same cu_seq_lens tensor)
+    longest = lambda cu: once_per_tensor(cu, ("longest",), lambda: max_seqlen_from_cu_seqlens(cu))  # noqa: E731
+    max_q = int(max_q) if max_q is not None else longest(cu_q)
+    max_k = int(max_k) if max_k is not None else longest(cu_k)
     return cu_q, cu_k, max_q, max_k
 
 
