@@ -1,7 +1,7 @@
 """Kernel-level attention benchmark: flashpatch against SDPA's flash, cuDNN and efficient backends and FlexAttention.
 
-    python recipes/bench_attention.py --quick            # a few shapes, minutes
-    python recipes/bench_attention.py --dtype bf16 --out runs/bench_attention
+    python benchmarks/bench_attention.py --quick            # a few shapes, minutes
+    python benchmarks/bench_attention.py --seqlens 4096,8192,16384 --peers fpatch,sdpa_flash,sdpa_cudnn,flex
 
 Cases: dense full and causal at head dim 64 and 128 (B·N = 16k tokens, H·D = 2048), GQA (4 query heads per K/V
 head), dropout p = 0.1, ALiBi (SDPA gets it as a float mask, FlexAttention as a score_mod), and varlen: document
@@ -11,7 +11,8 @@ real token, so its fastest backends apply; the pad's work is SDPA's cost of not 
 fwd+bwd TFLOP/s with FLOPs = 4·B·H·Sq·Sk·D for fwd (halved for causal; varlen sums the real documents), bwd = 2.5 ×
 fwd, fwd+bwd = 3.5 × fwd; times are medians of triton.testing.do_bench. A peer that refuses a case shows "n/a" and
 the reason goes to the JSON.
-Writes <out>/bench_attention.json and bench_attention.png, then prints the markdown table last. GPU only.
+Writes <out>/bench_attention.md, .json and .png (default out: results/latest/), appends one row per figure to
+results/history.csv (--history; "" skips it), then prints the markdown table last. GPU only.
 """
 
 from __future__ import annotations
@@ -347,14 +348,15 @@ def write_plot(rows: list[dict], cases: list[Case], path: Path, title: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    peers = [p for p in PEERS if any(r["peer"] == p for r in rows)]  # the peers this run measured
     fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(cases)), 5))
-    width = 0.8 / len(PEERS)
-    for i, peer in enumerate(PEERS):
+    width = 0.8 / len(peers)
+    for i, peer in enumerate(peers):
         vals = []
         for case in cases:
             r = next((r for r in rows if r["case"] == case.name and r["peer"] == peer), None)
             vals.append(r["fwd_bwd_tflops"] if r and r["status"] == "ok" else 0.0)
-        ax.bar([x + (i - len(PEERS) / 2 + 0.5) * width for x in range(len(cases))], vals, width, label=peer)
+        ax.bar([x + (i - len(peers) / 2 + 0.5) * width for x in range(len(cases))], vals, width, label=peer)
     ax.set_xticks(range(len(cases)), [c.name for c in cases], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("fwd+bwd TFLOP/s (0 = n/a)")
     ax.set_title(title)
@@ -369,15 +371,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few shapes (fits a short GPU session)")
     parser.add_argument("--seqlens", default="", help="dense cases' lengths, comma-separated (e.g. 4096,8192,16384)")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    parser.add_argument("--out", default="runs/bench_attention", help="output folder (default: %(default)s)")
+    parser.add_argument("--out", default=str(REPO / "results" / "latest"), help="output folder (default: %(default)s)")
+    parser.add_argument("--history", default=str(REPO / "results" / "history.csv"),
+                        help='CSV that gets one row per figure (default: %(default)s; "" skips it)')
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     parser.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
     parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated subset of " + ",".join(PEERS))
     parser.add_argument("--match", default="", help="only the cases whose name contains this (e.g. dropout)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_attention.py measures GPU kernels and needs a CUDA GPU; none is visible here. "
-              "On CPU, run recipes/train.py (it uses the Triton interpreter).", file=sys.stderr)
+        print("bench_attention.py measures GPU kernels and needs a CUDA GPU; none is visible here. On CPU the "
+              "kernels run in the Triton interpreter, whose timings measure nothing; recipes/train.py checks loss "
+              "parity there.", file=sys.stderr)
         return 2
     peers = [p for p in args.peers.split(",") if p]
     unknown = set(peers) - set(PEERS)
@@ -421,12 +426,37 @@ def main(argv: list[str] | None = None) -> int:
         "fpatch_max_abs_diff_vs_sdpa": checks,
         "results": rows,
     }
+    title = f"## bench_attention: {gpu}, {args.dtype}{' (quick)' if args.quick else ''}"
+    table = markdown_table(rows, cases)
     (out / "bench_attention.json").write_text(json.dumps(report, indent=2))
+    (out / "bench_attention.md").write_text(f"{title}\n\n{table}\n")
     write_plot(rows, cases, out / "bench_attention.png", f"{gpu}, {args.dtype}")
-    print(f"wrote {out / 'bench_attention.json'}, {out / 'bench_attention.png'}", file=sys.stderr)
-    print(f"\n## bench_attention: {gpu}, {args.dtype}{' (quick)' if args.quick else ''}\n")
-    print(markdown_table(rows, cases), flush=True)
+    written = [out / f"bench_attention.{ext}" for ext in ("md", "json", "png")]
+    appended = append_history(args.history, report)
+    print("wrote " + ", ".join(map(str, written)) + (f"; appended to {appended}" if appended else ""), file=sys.stderr)
+    print(f"\n{title}\n")
+    print(table, flush=True)
     return 0
+
+
+def history_figures(report: dict) -> list[tuple[str, str, str, float]]:
+    """(case, implementation, metric, value) of every measured cell: fwd, bwd and fwd+bwd TFLOP/s."""
+    return [
+        (f"{r['case']} {report['dtype']}", r["peer"], metric, r[metric])
+        for r in report["results"] if r["status"] == "ok"
+        for metric in ("fwd_tflops", "bwd_tflops", "fwd_bwd_tflops")
+    ]
+
+
+def append_history(path: str, report: dict, **kwargs):
+    """Append the report's figures to the CSV at path (recipes/history.py); kwargs: date, commit."""
+    if str(REPO / "recipes") not in sys.path:
+        sys.path.insert(1, str(REPO / "recipes"))
+    import history
+
+    return history.append(path, history.rows(history_figures(report), gpu=report["gpu"],
+                                             torch_version=report["torch"], triton_version=report["triton"],
+                                             **kwargs))
 
 
 if __name__ == "__main__":
