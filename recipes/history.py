@@ -35,12 +35,13 @@ def today() -> str:
 
 def rows(figures, *, gpu: str, torch_version: str, triton_version: str, date: str | None = None,
          commit: str | None = None) -> list[dict]:
-    """History rows from (case, implementation, metric, value) tuples; values are rounded to 4 significant digits."""
+    """History rows from (case, implementation, metric, value) tuples; values keep 4 significant digits (whole
+    numbers from 1000 on)."""
     date = date or today()
     commit = commit or git_commit()
     return [
         {"date": date, "commit": commit, "gpu": gpu, "torch": torch_version, "triton": triton_version, "case": case,
-         "implementation": impl, "metric": metric, "value": f"{value:.4g}"}
+         "implementation": impl, "metric": metric, "value": f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"}
         for case, impl, metric, value in figures
         if value is not None
     ]

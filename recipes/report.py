@@ -109,9 +109,9 @@ def history_case(report: dict) -> str:
     """The run as one history.csv case: config name, data mode, shape, ranks, precision (and compile mode)."""
     cfg, env = report["config"], report["environment"]
     precision = "fp32" if env.get("mixed_precision") in (None, "no") else env["mixed_precision"]
-    compiled = f", torch.compile {cfg['compile']}" if cfg.get("compile") else ""
-    return (f"{cfg['name']}: {cfg['data_mode']}, seq {cfg['seq_len']}, batch {cfg['batch_size']} x "
-            f"{env.get('world_size', 1)}, {precision}{compiled}")
+    compiled = f" compile {cfg['compile']}" if cfg.get("compile") else ""
+    return (f"{cfg['name']} {cfg['data_mode']} seq {cfg['seq_len']} batch {cfg['batch_size']}x"
+            f"{env.get('world_size', 1)} {precision}{compiled}")
 
 
 def history_figures(report: dict) -> list[tuple[str, str, str, float]]:

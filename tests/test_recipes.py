@@ -418,7 +418,8 @@ def test_gpu_report_appends_history_rows(tmp_path):
     assert list(rows[0]) == list(history.COLUMNS) and len(rows) == 2 * 3 * 4  # 3 ok implementations x 4 metrics
     fp = {r["metric"]: r for r in rows[:12] if r["implementation"] == "fpatch"}
     assert fp["tokens_per_s"]["value"] == "50" and fp["peak_allocated_gib"]["value"] == "0.95"
-    assert fp["tokens_per_s"]["case"] == "t: packed, seq 64, batch 2 x 2, bf16"
+    assert fp["tokens_per_s"]["case"] == "t packed seq 64 batch 2x2 bf16"
+    assert [r["value"] for r in rows if r["metric"] == "tokens_per_s"][:2] == ["30000", "40000"]
     assert (fp["tokens_per_s"]["date"], fp["tokens_per_s"]["commit"], fp["tokens_per_s"]["gpu"],
             fp["tokens_per_s"]["torch"], fp["tokens_per_s"]["triton"]) == (
         "2026-01-02", "abc1234", "NVIDIA H100 80GB HBM3", "2.11.0+cu130", "3.6.0")
