@@ -90,9 +90,9 @@ def parity_table(report: dict) -> str:
     on_gpu = report["environment"]["device_type"] == "cuda"
     mem_col, mem_key = ("peak alloc GiB", "peak_allocated_gib") if on_gpu else ("peak RSS GiB", "peak_rss_gib")
     lines = [
-        f"Loss parity over all {steps} steps, from the same init on the same batches. Speed is left out: here "
-        "flashpatch's kernels run in the Triton interpreter, whose timings measure nothing about the kernels "
-        "(step times and tokens/s stay in results.json).",
+        f"Loss parity over all {steps} steps, from the same init on the same batches.",
+        "Speed is left out: flashpatch's kernels ran in the Triton interpreter, whose timings measure nothing about "
+        "the kernels (step times and tokens/s are in results.json).",
         "",
         f"| implementation | status | final loss | max abs loss diff vs {ref or 'eager'} | {mem_col} |",
         "|---|---|---|---|---|",
