@@ -7,7 +7,9 @@
 Per implementation: tokens/s on real (non-pad) tokens summed over ranks, step time, peak allocated/reserved GPU
 memory per rank (process RSS on CPU), MFU, the loss of every step. Warm-up steps are trained but not measured.
 An out-of-memory run is a result ("OOM"); an implementation that cannot run here is "skipped" with the reason.
-Writes <output_dir>/results.json, throughput.png, memory.png, loss.png, and prints a markdown table last.
+Writes <output_dir>/results.json, throughput.png, memory.png, loss.png, and prints a markdown table last: on a GPU
+speed, memory and loss; on CPU, where flashpatch runs in the Triton interpreter and its timings measure nothing,
+loss parity. On a GPU the figures are also appended to results/history.csv (FLASHPATCH_HISTORY="" skips it).
 """
 
 from __future__ import annotations
@@ -379,6 +381,7 @@ def main(argv: list[str] | None = None) -> dict:
         files = [report.write_json(out, out_dir)]
         if cfg.plots:
             files += report.write_plots(out, out_dir)
+        files += [p for p in [report.append_history(out)] if p]  # results/history.csv, on a GPU only
         print("\nwrote " + ", ".join(str(f) for f in files), file=sys.stderr)
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -89,7 +89,7 @@ def _install_probe(model: torch.nn.Module, state: dict) -> None:
 def patch_model(model: torch.nn.Module) -> torch.nn.Module:
     """Switch `model` (and every sub-model and sub-config) to flashpatch attention. Idempotent; returns the model.
 
-    Raises NotImplementedError for models flashpatch cannot run correctly (see docs/patch_support.md).
+    Raises NotImplementedError for models flashpatch cannot run correctly (see docs/model_support.md).
     """
     _hf.register()
     if getattr(model, _STATE, None) is not None:
