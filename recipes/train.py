@@ -174,8 +174,11 @@ def train_one(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer) -> d
 
     device = accelerator.device
     model, optimizer, scheduler = build_training(impl, cfg, accelerator, tokenizer)
-    n_matmul = measure.matmul_params(model)
-    mcfg = model.config
+    # The model itself: DDP does not forward attributes. keep_torch_compile=False, as with True accelerate would
+    # replace the compiled wrapper's _orig_mod by the unwrapped model, taking DDP out of a compiled DDP model.
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    n_matmul = measure.matmul_params(unwrapped)
+    mcfg = unwrapped.config
     head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
     attn_width = mcfg.num_attention_heads * head_dim  # query heads x head dim: the width of QKᵀ and PV
 
@@ -349,7 +352,8 @@ def main(argv: list[str] | None = None) -> dict:
     from accelerate import Accelerator
 
     cfg = parse_config(argv)
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision or None)
+    # cpu=True without CUDA: under a multi-process launch the ranks then form one gloo group (MULTI_CPU).
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.mixed_precision or None)
     flashpatch, fp_error = import_flashpatch()
     corpus = import_corpus()
 
