@@ -242,6 +242,15 @@ def run_implementation(impl: str, cfg: TrainConfig, accelerator, batches, tokeni
     # Outside the except blocks: the traceback (and the model it references) is gone; free the rest.
     accelerator.free_memory()
     gc.collect()
+    from accelerate.utils import gather_object
+
+    # One outcome for all ranks: every rank must take the same gathers below, and the row names a failed rank.
+    outcomes = gather_object([(result["status"], result["reason"])])
+    failed = [(rank, status, reason) for rank, (status, reason) in enumerate(outcomes) if status != "ok"]
+    if failed and result["status"] == "ok":
+        rank, status, reason = failed[0]
+        result.update(status=status, reason=f"rank {rank}: {reason}")
+        raw = None
 
     world = accelerator.num_processes
     if device.type == "cuda":
@@ -396,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{f', torch.compile {cfg.compile}' if cfg.compile else ''}\n"
         )
         print(report.markdown_table(out), flush=True)
-        for note in report.compile_notes(out):
+        for note in report.compile_notes(out) + report.rank_notes(out):
             print(note, flush=True)
     return out
 

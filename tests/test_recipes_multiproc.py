@@ -62,3 +62,4 @@ def test_train_two_cpu_ranks(tmp_path):
     for impl in ("sdpa", "fpatch"):  # same init, same per-rank batches: the rank-mean losses agree
         np.testing.assert_allclose(rows[impl]["losses"], rows["eager"]["losses"], rtol=1e-4)
     assert "batch 2 x 2" in proc.stdout  # 2 ranks, not 2 independent single-process runs
+    assert "fpatch per rank: peak RSS " in proc.stdout  # each rank's memory and tokens/s under the table
