@@ -12,6 +12,7 @@ Writes <output_dir>/results.json, throughput.png, memory.png, loss.png, and prin
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import platform
@@ -189,10 +190,13 @@ def train_one(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer) -> d
     gc_pauses, compiles = measure.GcPauses(), measure.TritonCompiles()
     for step, batch in enumerate(batches):
         batch_dev = device_inputs(impl, cfg, batch, device)  # made before the clock starts, like a collator's work
+        traced = step + 1 == cfg.profile_step
+        trace = measure.StepTrace(trace_path(cfg, impl, accelerator.process_index), device) if traced else \
+            contextlib.nullcontext()
         _sync(device)
         gc_pauses.take()
         compiles.take()
-        with gc_pauses, compiles:
+        with gc_pauses, compiles, trace:
             start = time.perf_counter()
             loss = train_step(model, optimizer, scheduler, accelerator, cfg, batch_dev)
             _sync(device)
@@ -203,7 +207,9 @@ def train_one(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer) -> d
         mean_loss = accelerator.reduce(loss.detach().float(), reduction="mean").item()  # the curve: mean over ranks
         raw["losses"].append(mean_loss)
         raw["rss"].append(measure.rss_gib())
-        if step >= cfg.warmup_steps:
+        if traced:
+            raw["traced_step_ms"] = round(1000 * elapsed, 2)  # with the profiler's overhead
+        elif step >= cfg.warmup_steps:
             raw["step_times"].append(elapsed)
             raw["gc_ms"].append(step_gc_ms)
             raw["compiles"].append(step_compiles)
@@ -218,6 +224,10 @@ def train_one(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer) -> d
     raw["attn_implementation"] = getattr(mcfg, "_attn_implementation", impl)
     raw["n_matmul_params"] = n_matmul
     return raw
+
+
+def trace_path(cfg: TrainConfig, impl: str, rank: int | str) -> Path:
+    return Path(cfg.output_dir) / "traces" / f"{impl}_rank{rank}.json"
 
 
 def run_implementation(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer, skip_reason) -> dict:
@@ -301,6 +311,9 @@ def run_implementation(impl: str, cfg: TrainConfig, accelerator, batches, tokeni
         mean_measured_loss=statistics.mean(measured),
         n_matmul_params=raw["n_matmul_params"],
     )
+    if cfg.profile_step:
+        result.update(traced_step=cfg.profile_step, traced_step_ms=raw.get("traced_step_ms"),
+                      traces=str(trace_path(cfg, impl, "<r>")))
     return result
 
 

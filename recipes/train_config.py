@@ -64,6 +64,9 @@ class TrainConfig:
     output_dir: str = ""  # "" = runs/<name>
     peak_tflops: float = 0.0  # the GPU's dense bf16/fp16 peak for MFU; 0 = look it up from the GPU's name
     plots: bool = True
+    # > 0: trace step N (warm-up steps counted, from 1) with torch.profiler: a Chrome trace per implementation and
+    # rank in <output_dir>/traces/<implementation>_rank<r>.json. A traced measured step is left out of the figures.
+    profile_step: int = 0
 
 
 def _parse_value(text: str, annotation: str):
@@ -94,6 +97,10 @@ def _check(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"compile must be one of {COMPILE_MODES} ('' = no torch.compile), got {cfg.compile!r}")
     if cfg.steps < 1 or cfg.warmup_steps < 0:
         raise ValueError("need steps >= 1 and warmup_steps >= 0")
+    if cfg.profile_step < 0:
+        raise ValueError(f"profile_step must be >= 0, got {cfg.profile_step}")
+    if cfg.profile_step > cfg.warmup_steps + cfg.steps:
+        raise ValueError(f"profile_step {cfg.profile_step} is past the last step ({cfg.warmup_steps + cfg.steps})")
     return cfg
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "recipes"))
 TINY = [  # the tiny_cpu recipe shrunk further: seconds per implementation in the Triton interpreter
     "--config", str(REPO / "configs" / "tiny_cpu.yaml"), "--seq_len", "32", "--batch_size", "2", "--steps", "2",
     "--warmup_steps", "1", "--hidden_size", "32", "--num_heads", "2", "--num_kv_heads", "1",
@@ -48,18 +49,40 @@ def check_rows(res: dict, implementations: list[str], world: int) -> dict:
     return rows
 
 
+def check_traces(out: Path, implementations: list[str], world: int) -> list[dict]:
+    """--profile_step's Chrome traces, one per implementation and rank; returns their events."""
+    events = []
+    for impl in implementations:
+        for rank in range(world):
+            trace = json.loads((out / "traces" / f"{impl}_rank{rank}.json").read_text())
+            assert any(e.get("cat") == "cpu_op" for e in trace["traceEvents"]), (impl, rank)
+            events += trace["traceEvents"]
+    return events
+
+
 def test_train_two_cpu_ranks(tmp_path):
-    """configs/accelerate/cpu_ddp2.yaml: DDP over 2 CPU processes (the path of issue 44's AttributeError)."""
+    """configs/accelerate/cpu_ddp2.yaml: DDP over 2 CPU processes (the path of issue 44's AttributeError), with the
+    first measured step traced (and so left out of the figures)."""
     out = tmp_path / "run"
-    proc = launch("cpu_ddp2.yaml", [*TINY, "--implementations", "eager,sdpa,fpatch", "--output_dir", str(out)],
-                  tmp_path, timeout=300)
+    args = [*TINY, "--implementations", "eager,sdpa,fpatch", "--profile_step", "2", "--output_dir", str(out)]
+    proc = launch("cpu_ddp2.yaml", args, tmp_path, timeout=300)
     res = json.loads((out / "results.json").read_text())
     assert res["environment"]["distributed_type"] == "DistributedType.MULTI_CPU"
     rows = check_rows(res, ["eager", "sdpa", "fpatch"], world=2)
     for r in rows.values():
-        assert r["real_tokens"] == r["padded_tokens"] == 2 * 2 * 2 * 32  # 2 ranks x 2 steps x 2 rows x 32
-        assert len(r["losses"]) == 3 and r["measured_steps"] == 2
+        assert r["real_tokens"] == r["padded_tokens"] == 2 * 1 * 2 * 32  # 2 ranks x 1 untraced step x 2 rows x 32
+        assert len(r["losses"]) == 3 and r["measured_steps"] == len(r["step_times_ms"]) == 1
     for impl in ("sdpa", "fpatch"):  # same init, same per-rank batches: the rank-mean losses agree
         np.testing.assert_allclose(rows[impl]["losses"], rows["eager"]["losses"], rtol=1e-4)
     assert "batch 2 x 2" in proc.stdout  # 2 ranks, not 2 independent single-process runs
     assert "fpatch per rank: peak RSS " in proc.stdout  # each rank's memory and tokens/s under the table
+    check_traces(out, ["eager", "sdpa", "fpatch"], world=2)
+    assert rows["fpatch"]["traced_step"] == 2 and rows["fpatch"]["traced_step_ms"] > 0
+
+
+def test_profile_step_setting():
+    from train_config import parse_config
+
+    assert parse_config(["--profile_step", "3"]).profile_step == 3
+    with pytest.raises(ValueError, match="past the last step"):
+        parse_config(["--profile_step", "11"])  # tiny_cpu: 2 warm-up + 8 measured
