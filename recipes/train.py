@@ -8,6 +8,7 @@ Per implementation: tokens/s on real (non-pad) tokens summed over ranks, step ti
 memory per rank (process RSS on CPU), MFU, the loss of every step. Warm-up steps are trained but not measured.
 An out-of-memory run is a result ("OOM"); an implementation that cannot run here is "skipped" with the reason.
 Writes <output_dir>/results.json, throughput.png, memory.png, loss.png, and prints a markdown table last.
+--rounds N ranks them instead: one model, the implementations taking turns (recipes/ranking.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(1, str(REPO))  # run from a checkout without `pip install -e .`
 
 import measure  # noqa: E402  (recipes/ is sys.path[0] when this file is run)
+import ranking  # noqa: E402
 import report  # noqa: E402
 from train_config import CUDA_GRAPH_MODES, TrainConfig, parse_config, to_dict  # noqa: E402
 
@@ -380,13 +382,18 @@ def main(argv: list[str] | None = None) -> dict:
     corpus = import_corpus()
 
     tokenizer = make_tokenizer(cfg, corpus)
-    dataset, batches = recipe_batches(cfg, accelerator, corpus, tokenizer, cfg.warmup_steps + cfg.steps)
+    num_batches = cfg.warmup_steps + cfg.steps * max(cfg.rounds, 1)
+    dataset, batches = recipe_batches(cfg, accelerator, corpus, tokenizer, num_batches)
 
-    results = []
-    for impl in cfg.implementations:
-        reason = fp_error if impl == "fpatch" else None
-        results.append(run_implementation(impl, cfg, accelerator, batches, tokenizer, reason))
-        accelerator.wait_for_everyone()
+    if cfg.rounds:  # ranking mode: the implementations take turns on one model
+        results, ranked = ranking.compare(cfg, accelerator, batches, tokenizer, {"fpatch": fp_error},
+                                          build_training, train_step, device_inputs)
+    else:
+        results, ranked = [], None
+        for impl in cfg.implementations:
+            reason = fp_error if impl == "fpatch" else None
+            results.append(run_implementation(impl, cfg, accelerator, batches, tokenizer, reason))
+            accelerator.wait_for_everyone()
 
     out = {
         "config": to_dict(cfg),
@@ -399,6 +406,8 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "results": results,
     }
+    if ranked:
+        out["ranking"] = ranked
     if accelerator.is_main_process:
         out_dir = Path(cfg.output_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -417,8 +426,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"{'fp32' if accelerator.mixed_precision == 'no' else accelerator.mixed_precision}"
             f"{f', torch.compile {cfg.compile}' if cfg.compile else ''}\n"
         )
-        print(report.markdown_table(out), flush=True)
-        for note in report.compile_notes(out) + report.rank_notes(out):
+        print(ranking.table(out) if ranked else report.markdown_table(out), flush=True)
+        for note in report.compile_notes(out) + ([] if ranked else report.rank_notes(out)):
             print(note, flush=True)
     return out
 
