@@ -26,6 +26,8 @@ def launch(accelerate_config: str, args: list[str], cwd: Path, timeout: int) -> 
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(REPO / "configs" / "accelerate" / accelerate_config), str(REPO / "recipes" / "train.py"), *args]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    if accelerate_config.startswith("cpu"):  # the CPU path on a GPU machine too (cpu_ddp2.yaml's launcher is torchrun)
+        env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
