@@ -157,6 +157,23 @@ def compile_notes(report: dict) -> list[str]:
     return notes
 
 
+def rank_notes(report: dict) -> list[str]:
+    """With several ranks, a line per implementation with each rank's peak memory and tokens/s (the table shows the
+    largest rank's memory and the total tokens/s)."""
+    if report["environment"].get("world_size", 1) < 2:
+        return []
+    notes = []
+    for r in report["results"]:
+        memory = r.get("peak_allocated_gib") or r.get("peak_rss_gib")
+        if r["status"] != "ok" or not memory:
+            continue
+        kind = "peak alloc" if "peak_allocated_gib" in r else "peak RSS"
+        rates = " / ".join(f"{t:,.0f}" for t in r.get("tokens_per_s_per_rank") or [])
+        notes.append(f"{r['implementation']} per rank: {kind} {' / '.join(f'{m:.2f}' for m in memory)} GiB, "
+                     f"tokens/s {rates}")
+    return ["\n" + "\n".join(notes)] if notes else []
+
+
 def write_json(report: dict, out_dir: Path) -> Path:
     path = out_dir / "results.json"
     path.write_text(json.dumps({**report, "loss_parity": loss_parity(report)}, indent=2, default=str))
