@@ -15,7 +15,7 @@ from flashpatch.interface import (
 from flashpatch.padding import cu_seqlens_from_position_ids, pad_input, unpad_input
 from flashpatch.integrations import ATTN_IMPLEMENTATION, patch_model, unpatch_model  # registers "fpatch"
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "flash_attn_func",

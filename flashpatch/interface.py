@@ -18,7 +18,7 @@ def flash_attn_func(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] | list[int] | torch.Tensor = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
@@ -30,8 +30,9 @@ def flash_attn_func(
         q: (batch, seqlen_q, nheads, headdim)
         k: (batch, seqlen_k, nheads_k, headdim)   nheads % nheads_k == 0 (GQA/MQA; K/V are never copied)
         v: (batch, seqlen_k, nheads_k, headdim)
-            fp16, bf16 or fp32 (fp32 is computed in fp32: for exact parity tests); headdim a multiple of 8, <= 256;
-            any strides with a contiguous last dimension.
+            fp16, bf16 or fp32 (fp32 is computed in fp32: for exact parity tests); any headdim from 1 to 256 (the
+            kernels pad it to a power of two by masks, nothing is copied); any strides with a contiguous last
+            dimension.
         dropout_p: probability of dropping an attention weight (training only; pass 0.0 in eval).
             The keep mask comes from Philox keyed by a (seed, offset) pair drawn from torch's generator for
             q's device, so `torch.manual_seed` makes it reproducible; backward regenerates it, nothing is stored.
@@ -48,8 +49,9 @@ def flash_attn_func(
                 1 0
                 1 1
             Rows that see no key output 0 (and get 0 gradient).
-        window_size: (left, right); query i attends keys in [i + seqlen_k - seqlen_q - left,
-            i + seqlen_k - seqlen_q + right]; -1 leaves that side unbounded. causal=True sets right to 0.
+        window_size: (left, right), a tuple, list or 2-element integer tensor; query i attends keys in
+            [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]; -1 leaves that side unbounded.
+            With causal=True the right window is clamped to 0, as in flash-attn.
         softcap: if > 0, scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2 style).
         alibi_slopes: (nheads,) or (batch, nheads) float32, or None. ALiBi: adds
             -alibi_slopes[h] * |i + seqlen_k - seqlen_q - j| to the (scaled, softcapped) score of query i and key j;
@@ -87,7 +89,7 @@ def flash_attn_varlen_func(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] | list[int] | torch.Tensor = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
@@ -136,7 +138,7 @@ def flash_attn_qkvpacked_func(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] | list[int] | torch.Tensor = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
@@ -159,7 +161,7 @@ def flash_attn_kvpacked_func(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] | list[int] | torch.Tensor = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
@@ -184,7 +186,7 @@ def flash_attn_varlen_qkvpacked_func(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] | list[int] | torch.Tensor = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
@@ -213,7 +215,7 @@ def flash_attn_varlen_kvpacked_func(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] | list[int] | torch.Tensor = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,

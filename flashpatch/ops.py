@@ -83,10 +83,17 @@ def _tma_supported(device: torch.device) -> bool:
             and hasattr(triton.language, "make_tensor_descriptor"))
 
 
+def block_d(headdim: int) -> int:
+    """The kernels' head-dim tile: the next power of two, at least 16 (tl.dot's smallest K); columns past headdim
+    are masked on load and store, never copied."""
+    return max(16, triton.next_power_of_2(headdim))
+
+
 def tma_usable(headdim: int, *tensors: torch.Tensor) -> bool:
-    """Tensor descriptors need a power-of-two head dim (the tile is the whole row) of at least 16 bytes, and
-    16-byte aligned bases and strides in every tensor they address; otherwise the kernels use pointer arithmetic."""
-    if headdim != triton.next_power_of_2(headdim) or not _tma_supported(tensors[0].device):
+    """Tensor descriptors need the head dim to fill its tile (a power of two, at least 16; the tile is the whole row),
+    and 16-byte aligned bases and strides in every tensor they address; otherwise the kernels use pointer
+    arithmetic."""
+    if headdim != block_d(headdim) or not _tma_supported(tensors[0].device):
         return False
     for t in tensors:
         size = t.element_size()
@@ -201,7 +208,7 @@ def _even_interior(enabled: bool, headdim: int) -> bool:
     """The fully visible blocks between the mask edges (common.key_block_range, query_block_range) always lie
     inside the sequence, so their loads need a mask only for padded head-dim columns (NOTES.md v28: ragged and
     varlen rows keep the masks on their edge blocks alone)."""
-    return enabled and headdim == triton.next_power_of_2(headdim)
+    return enabled and headdim == block_d(headdim)
 
 
 def _even(enabled: bool, varlen: bool, headdim: int, *length_and_tile: int) -> bool:
@@ -310,7 +317,7 @@ def attn_fwd_impl(
         *_lse_strides(lse, varlen), hopper_common.alibi_batch_stride(alibi_slopes),
         nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
         qk_scale, cap_log2, dropout_p, window_left, window_right,
-        HEADDIM=headdim, BLOCK_D=triton.next_power_of_2(headdim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HEADDIM=headdim, BLOCK_D=block_d(headdim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **_common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype, alibi_slopes),
         TMA=tma, BLOCKS_FASTEST=blocks_fastest,
         HEAD_GROUP=_head_group(cfg, varlen, window_left, window_right, max_seqlen_q, q.device),
@@ -374,7 +381,7 @@ def attn_bwd_impl(
     cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p)
     qk_scale, cap_log2 = _scales(softmax_scale, softcap)
     flags = _common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype, alibi_slopes)
-    block_d = triton.next_power_of_2(headdim)
+    tile_d = block_d(headdim)
 
     delta = torch.empty_like(lse)
     pre = cfgs.bwd_dq
@@ -382,7 +389,7 @@ def attn_bwd_impl(
         out, dout, delta, cu_seqlens_q,
         *_seq_strides(out, varlen), *_seq_strides(dout, varlen), *_lse_strides(lse, varlen),
         nheads, max_seqlen_q,
-        HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=pre.block_m, IS_VARLEN=varlen,
+        HEADDIM=headdim, BLOCK_D=tile_d, BLOCK_M=pre.block_m, IS_VARLEN=varlen,
     )
 
     # The Gluon Hopper kernels take the calls in their scope (hopper_common.sm90_dense_ok), the Triton ones the rest
@@ -420,7 +427,7 @@ def attn_bwd_impl(
                 *_seq_strides(dv, varlen), *_lse_strides(lse, varlen), hopper_common.alibi_batch_stride(alibi_slopes),
                 nheads, nheads_k, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
                 qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
-                HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq,
+                HEADDIM=headdim, BLOCK_D=tile_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq,
                 TMA=tma_dkdv, BLOCKS_FASTEST=blocks_fastest,
                 HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_k, q.device, by_keys=True),
                 EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_q, c.block_m),
@@ -451,7 +458,7 @@ def attn_bwd_impl(
                 hopper_common.alibi_batch_stride(alibi_slopes),
                 nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
                 qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
-                HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, TMA=tma_dq,
+                HEADDIM=headdim, BLOCK_D=tile_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, TMA=tma_dq,
                 BLOCKS_FASTEST=blocks_fastest,
                 HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_q, q.device),
                 EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, c.block_n),

@@ -28,20 +28,35 @@ def cu_seqlens_from_lengths(seqlens: torch.Tensor) -> torch.Tensor:
 def unpad_input(
     hidden_states: torch.Tensor,  # (B, S, ...)
     attention_mask: torch.Tensor,  # (B, S), nonzero = real token
+    unused_mask: torch.Tensor | None = None,  # (B, S), nonzero = allocated but unused
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
-    """Drop padding tokens. Works for left and right padding, and for holes anywhere.
+    """Drop padding tokens. Works for left and right padding, and for holes anywhere. flash-attn >= 2.7's signature.
+
+    Arguments:
+        hidden_states: (batch, seqlen, ...)
+        attention_mask: (batch, seqlen), bool or int, nonzero where a token is real.
+        unused_mask: None, or (batch, seqlen), bool or int, nonzero where a token is allocated but unused: it is kept
+            in the unpadded tensor and counted in cu_seqlens, but not in seqused.
 
     Returns:
-        unpadded:   (total_tokens, ...) the real tokens, sequence after sequence
+        unpadded:   (total_tokens, ...) the tokens of attention_mask | unused_mask, sequence after sequence
         indices:    (total_tokens,) int64 flat positions of those tokens in (B * S)
-        cu_seqlens: (B + 1,) int32
-        max_seqlen: int, the longest sequence (a Python int: the kernel grid needs it on the host)
-        seqlens:    (B,) int32 tokens per sequence
+        cu_seqlens: (B + 1,) int32, over the tokens kept
+        max_seqlen: int, the longest sequence kept (a Python int: the kernel grid needs it on the host)
+        seqused:    (B,) int32, the real tokens of each sequence (attention_mask alone)
     """
     _check_mask(attention_mask, hidden_states)
-    indices, cu_seqlens, max_seqlen = padding_layout(attention_mask)
+    kept = attention_mask
+    if unused_mask is not None:
+        if not isinstance(unused_mask, torch.Tensor) or tuple(unused_mask.shape) != tuple(attention_mask.shape):
+            shape = tuple(unused_mask.shape) if isinstance(unused_mask, torch.Tensor) else type(unused_mask).__name__
+            raise ValueError(f"unused_mask must be a tensor shaped like attention_mask {tuple(attention_mask.shape)}, "
+                             f"got {shape}")
+        kept = (attention_mask != 0) | (unused_mask != 0)
+    indices, cu_seqlens, max_seqlen = padding_layout(kept)
     flat = hidden_states.reshape(-1, *hidden_states.shape[2:])
-    return flat[indices], indices, cu_seqlens, max_seqlen, cu_seqlens.diff()
+    seqused = (attention_mask != 0).sum(dim=-1, dtype=torch.int32)
+    return flat[indices], indices, cu_seqlens, max_seqlen, seqused
 
 
 def padding_layout(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -56,8 +56,8 @@ def check_attention_args(
         raise ValueError(f"batch mismatch: q has {q.shape[0]}, k/v have {k.shape[0]}")
     if k.shape[-1] != headdim:
         raise ValueError(f"headdim mismatch: q has {headdim}, k/v have {k.shape[-1]}")
-    if headdim > MAX_HEADDIM or headdim % 8 != 0 or headdim == 0:
-        raise ValueError(f"headdim must be a positive multiple of 8 and <= {MAX_HEADDIM}, got {headdim}")
+    if not 1 <= headdim <= MAX_HEADDIM:
+        raise ValueError(f"headdim must be between 1 and {MAX_HEADDIM}, got {headdim}")
     if nheads_k == 0 or nheads % nheads_k != 0:
         raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_k ({nheads_k})")
 
@@ -71,16 +71,33 @@ def check_attention_args(
         raise ValueError(f"softmax_scale must be finite and >= 0, got {softmax_scale}")
     if not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be finite and >= 0 (0 disables it), got {softcap}")
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise ValueError(f"window_size must be a (left, right) pair, got {window_size!r}")
-    left, right = (int(w) for w in window_size)
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded, got {tuple(window_size)}")
+    left, right = window_pair(window_size)
     if causal:
-        if right > 0:
-            raise ValueError(f"causal=True cannot look right: window_size={tuple(window_size)} has right > 0")
-        right = 0
+        right = 0  # flash-attn's rule: causal clamps the right window to 0
     return AttnArgs(float(dropout_p), float(softmax_scale), left, right, float(softcap))
+
+
+def window_pair(window_size) -> tuple[int, int]:
+    """(left, right) as Python ints from any pair flash-attn takes: a tuple or list of ints, or a 2-element integer
+    tensor (flash-attn's tests pass `torch.tensor([left, right])`)."""
+    if isinstance(window_size, torch.Tensor):
+        if window_size.numel() != 2 or window_size.is_floating_point() or window_size.is_complex():
+            raise ValueError(f"window_size must be a (left, right) pair of ints, got a tensor of dtype "
+                             f"{window_size.dtype} and shape {tuple(window_size.shape)}")
+        window_size = window_size.flatten().tolist()
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
+    pair = []
+    for w in window_size:
+        if isinstance(w, torch.Tensor) and w.numel() == 1 and not w.is_floating_point():
+            w = w.item()
+        if isinstance(w, bool) or not isinstance(w, int):
+            raise ValueError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
+        pair.append(int(w))
+    left, right = pair
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded, got {tuple(pair)}")
+    return left, right
 
 
 def check_alibi_slopes(alibi_slopes, q: torch.Tensor, batch: int) -> None:

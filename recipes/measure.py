@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -157,3 +158,24 @@ class GcPauses:
         taken = (self._ms, self._full)
         self._ms, self._full = 0.0, 0
         return taken
+
+
+class StepTrace:
+    """torch.profiler around one step, written on exit as a Chrome trace (Perfetto, chrome://tracing): the host ops
+    and, on a GPU, every stream's kernels (NCCL's and flashpatch's side stream included)."""
+
+    def __init__(self, path: Path, device: torch.device):
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.path, self._profile = Path(path), profile(activities=activities)
+
+    def __enter__(self) -> StepTrace:
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._profile.__exit__(*exc)
+        if exc[0] is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._profile.export_chrome_trace(str(self.path))

@@ -7,11 +7,15 @@
 Per implementation: tokens/s on real (non-pad) tokens summed over ranks, step time, peak allocated/reserved GPU
 memory per rank (process RSS on CPU), MFU, the loss of every step. Warm-up steps are trained but not measured.
 An out-of-memory run is a result ("OOM"); an implementation that cannot run here is "skipped" with the reason.
-Writes <output_dir>/results.json, throughput.png, memory.png, loss.png, and prints a markdown table last.
+Writes <output_dir>/results.json, throughput.png, memory.png, loss.png, and prints a markdown table last: on a GPU
+speed, memory and loss; on CPU, where flashpatch runs in the Triton interpreter and its timings measure nothing,
+loss parity. On a GPU the figures are also appended to results/history.csv (FLASHPATCH_HISTORY="" skips it).
+--rounds N ranks them instead: one model, the implementations taking turns (recipes/ranking.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import platform
@@ -32,6 +36,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(1, str(REPO))  # run from a checkout without `pip install -e .`
 
 import measure  # noqa: E402  (recipes/ is sys.path[0] when this file is run)
+import ranking  # noqa: E402
 import report  # noqa: E402
 from train_config import CUDA_GRAPH_MODES, TrainConfig, parse_config, to_dict  # noqa: E402
 
@@ -179,8 +184,11 @@ def train_one(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer) -> d
 
     device = accelerator.device
     model, optimizer, scheduler = build_training(impl, cfg, accelerator, tokenizer)
-    n_matmul = measure.matmul_params(model)
-    mcfg = model.config
+    # The model itself: DDP does not forward attributes. keep_torch_compile=False, as with True accelerate would
+    # replace the compiled wrapper's _orig_mod by the unwrapped model, taking DDP out of a compiled DDP model.
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    n_matmul = measure.matmul_params(unwrapped)
+    mcfg = unwrapped.config
     head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
     attn_width = mcfg.num_attention_heads * head_dim  # query heads x head dim: the width of QKᵀ and PV
 
@@ -191,10 +199,13 @@ def train_one(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer) -> d
     gc_pauses, compiles = measure.GcPauses(), measure.TritonCompiles()
     for step, batch in enumerate(batches):
         batch_dev = device_inputs(impl, cfg, batch, device)  # made before the clock starts, like a collator's work
+        traced = step + 1 == cfg.profile_step
+        trace = measure.StepTrace(trace_path(cfg, impl, accelerator.process_index), device) if traced else \
+            contextlib.nullcontext()
         _sync(device)
         gc_pauses.take()
         compiles.take()
-        with gc_pauses, compiles:
+        with gc_pauses, compiles, trace:
             start = time.perf_counter()
             loss = train_step(model, optimizer, scheduler, accelerator, cfg, batch_dev)
             _sync(device)
@@ -205,7 +216,9 @@ def train_one(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer) -> d
         mean_loss = accelerator.reduce(loss.detach().float(), reduction="mean").item()  # the curve: mean over ranks
         raw["losses"].append(mean_loss)
         raw["rss"].append(measure.rss_gib())
-        if step >= cfg.warmup_steps:
+        if traced:
+            raw["traced_step_ms"] = round(1000 * elapsed, 2)  # with the profiler's overhead
+        elif step >= cfg.warmup_steps:
             raw["step_times"].append(elapsed)
             raw["gc_ms"].append(step_gc_ms)
             raw["compiles"].append(step_compiles)
@@ -220,6 +233,10 @@ def train_one(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer) -> d
     raw["attn_implementation"] = getattr(mcfg, "_attn_implementation", impl)
     raw["n_matmul_params"] = n_matmul
     return raw
+
+
+def trace_path(cfg: TrainConfig, impl: str, rank: int | str) -> Path:
+    return Path(cfg.output_dir) / "traces" / f"{impl}_rank{rank}.json"
 
 
 def run_implementation(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer, skip_reason) -> dict:
@@ -244,6 +261,15 @@ def run_implementation(impl: str, cfg: TrainConfig, accelerator, batches, tokeni
     # Outside the except blocks: the traceback (and the model it references) is gone; free the rest.
     accelerator.free_memory()
     gc.collect()
+    from accelerate.utils import gather_object
+
+    # One outcome for all ranks: every rank must take the same gathers below, and the row names a failed rank.
+    outcomes = gather_object([(result["status"], result["reason"])])
+    failed = [(rank, status, reason) for rank, (status, reason) in enumerate(outcomes) if status != "ok"]
+    if failed and result["status"] == "ok":
+        rank, status, reason = failed[0]
+        result.update(status=status, reason=f"rank {rank}: {reason}")
+        raw = None
 
     world = accelerator.num_processes
     if device.type == "cuda":
@@ -294,6 +320,9 @@ def run_implementation(impl: str, cfg: TrainConfig, accelerator, batches, tokeni
         mean_measured_loss=statistics.mean(measured),
         n_matmul_params=raw["n_matmul_params"],
     )
+    if cfg.profile_step:
+        result.update(traced_step=cfg.profile_step, traced_step_ms=raw.get("traced_step_ms"),
+                      traces=str(trace_path(cfg, impl, "<r>")))
     return result
 
 
@@ -354,18 +383,25 @@ def main(argv: list[str] | None = None) -> dict:
     from accelerate import Accelerator
 
     cfg = parse_config(argv)
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision or None)
+    # cpu=True without CUDA: under a multi-process launch the ranks then form one gloo group (MULTI_CPU).
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.mixed_precision or None)
     flashpatch, fp_error = import_flashpatch()
     corpus = import_corpus()
 
     tokenizer = make_tokenizer(cfg, corpus)
-    dataset, batches = recipe_batches(cfg, accelerator, corpus, tokenizer, cfg.warmup_steps + cfg.steps)
+    num_batches = cfg.warmup_steps + cfg.steps * max(cfg.rounds, 1)
+    dataset, batches = recipe_batches(cfg, accelerator, corpus, tokenizer, num_batches)
 
-    results = []
-    for impl in cfg.implementations:
-        reason = fp_error if impl.startswith("fpatch") else None
-        results.append(run_implementation(impl, cfg, accelerator, batches, tokenizer, reason))
-        accelerator.wait_for_everyone()
+    if cfg.rounds:  # ranking mode: the implementations take turns on one model
+        skip = {"fpatch": fp_error, "fpatch_pf": fp_error}
+        results, ranked = ranking.compare(cfg, accelerator, batches, tokenizer, skip, build_training, train_step,
+                                          device_inputs)
+    else:
+        results, ranked = [], None
+        for impl in cfg.implementations:
+            reason = fp_error if impl.startswith("fpatch") else None
+            results.append(run_implementation(impl, cfg, accelerator, batches, tokenizer, reason))
+            accelerator.wait_for_everyone()
 
     out = {
         "config": to_dict(cfg),
@@ -379,12 +415,15 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "results": results,
     }
+    if ranked:
+        out["ranking"] = ranked
     if accelerator.is_main_process:
         out_dir = Path(cfg.output_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         files = [report.write_json(out, out_dir)]
         if cfg.plots:
             files += report.write_plots(out, out_dir)
+        files += [p for p in [report.append_history(out)] if p]  # results/history.csv, on a GPU only
         print("\nwrote " + ", ".join(str(f) for f in files), file=sys.stderr)
     accelerator.wait_for_everyone()
     accelerator.end_training()
@@ -397,8 +436,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"{'fp32' if accelerator.mixed_precision == 'no' else accelerator.mixed_precision}"
             f"{f', torch.compile {cfg.compile}' if cfg.compile else ''}\n"
         )
-        print(report.markdown_table(out), flush=True)
-        for note in report.compile_notes(out):
+        print(ranking.table(out) if ranked else report.markdown_table(out), flush=True)
+        for note in report.compile_notes(out) + ([] if ranked else report.rank_notes(out)):
             print(note, flush=True)
     return out
 

@@ -60,11 +60,17 @@ class TrainConfig:
     compile: str = ""
     mixed_precision: str = ""  # no | bf16 | fp16 through Accelerator(mixed_precision=...); "" = accelerate's setting
     seed: int = 0  # same model init and same batches for every implementation
+    # > 0: ranking mode (recipes/ranking.py): one model, the implementations take turns for `steps` steps each on the
+    # same batches, in this many rounds with the order rotated each round; reports each one's spread over rounds
+    rounds: int = 0
 
     # --- reporting ---
     output_dir: str = ""  # "" = runs/<name>
     peak_tflops: float = 0.0  # the GPU's dense bf16/fp16 peak for MFU; 0 = look it up from the GPU's name
     plots: bool = True
+    # > 0: trace step N (warm-up steps counted, from 1) with torch.profiler: a Chrome trace per implementation and
+    # rank in <output_dir>/traces/<implementation>_rank<r>.json. A traced measured step is left out of the figures.
+    profile_step: int = 0
 
 
 def _parse_value(text: str, annotation: str):
@@ -95,6 +101,16 @@ def _check(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"compile must be one of {COMPILE_MODES} ('' = no torch.compile), got {cfg.compile!r}")
     if cfg.steps < 1 or cfg.warmup_steps < 0:
         raise ValueError("need steps >= 1 and warmup_steps >= 0")
+    if cfg.rounds < 0 or cfg.profile_step < 0:
+        raise ValueError(f"rounds and profile_step must be >= 0, got {cfg.rounds} and {cfg.profile_step}")
+    if cfg.rounds and cfg.compile:
+        raise ValueError("rounds does not support compile yet (one compiled model would hold a graph per attention "
+                         "implementation, under dynamo's recompile limit; untested): compare compiled models with "
+                         "rounds 0")
+    if cfg.rounds and cfg.profile_step:
+        raise ValueError("profile_step traces the default mode's runs; set rounds 0 to take a trace")
+    if cfg.profile_step > cfg.warmup_steps + cfg.steps:
+        raise ValueError(f"profile_step {cfg.profile_step} is past the last step ({cfg.warmup_steps + cfg.steps})")
     return cfg
 
 

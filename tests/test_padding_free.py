@@ -441,13 +441,12 @@ def test_train_recipe_runs_padding_free(tmp_path):
     finally:
         sys.path.remove(str(recipes))
     before = fp_hf.VARLEN_CALLS[0]
-    out = train.main([
-        "--config", str(recipes.parent / "configs" / "tiny_cpu.yaml"), "--implementations", "sdpa,fpatch,fpatch_pf",
-        "--data_mode", "unpadded", "--seq_len", "32", "--batch_size", "3", "--steps", "2", "--warmup_steps", "0",
-        "--hidden_size", "32", "--num_heads", "2", "--num_kv_heads", "1", "--intermediate_size", "64",
-        "--corpus_max_bytes", "200000", "--corpus_max_file_bytes", "40", "--plots", "false",
-        "--output_dir", str(tmp_path),
-    ])
+    args = ["--config", str(recipes.parent / "configs" / "tiny_cpu.yaml"), "--data_mode", "unpadded",
+            "--seq_len", "32", "--batch_size", "3", "--warmup_steps", "0", "--hidden_size", "32", "--num_heads", "2",
+            "--num_kv_heads", "1", "--intermediate_size", "64", "--corpus_max_bytes", "200000",
+            "--corpus_max_file_bytes", "40", "--plots", "false"]
+    out = train.main([*args, "--implementations", "sdpa,fpatch,fpatch_pf", "--steps", "2",
+                      "--output_dir", str(tmp_path / "plain")])
     rows = {r["implementation"]: r for r in out["results"]}
     for impl, row in rows.items():
         assert row["status"] == "ok", row
@@ -458,3 +457,10 @@ def test_train_recipe_runs_padding_free(tmp_path):
     for impl in ("fpatch", "fpatch_pf"):
         torch.testing.assert_close(torch.tensor(rows[impl]["losses"]), torch.tensor(rows["sdpa"]["losses"]),
                                    rtol=1e-5, atol=0)
+
+    # --rounds: one model, the implementations in turns; fpatch_pf switches padding_free on for its turns only
+    before = fp_hf.VARLEN_CALLS[0]
+    out = train.main([*args, "--implementations", "sdpa,fpatch_pf,fpatch", "--rounds", "2", "--steps", "1",
+                      "--output_dir", str(tmp_path / "rounds")])
+    assert all(r["status"] == "ok" for r in out["results"]), out["results"]
+    assert fp_hf.VARLEN_CALLS[0] - before == 2 * 2 * 2  # fpatch and fpatch_pf, 2 rounds x 1 step x 2 layers

@@ -354,7 +354,95 @@ def test_train_smoke_run(tmp_path):
     for png in ("throughput.png", "memory.png", "loss.png"):
         assert (out / png).stat().st_size > 5_000
 
+    assert res["loss_parity"]["reference"] == "eager"
+    assert res["loss_parity"]["max_abs_diff"]["fpatch"] < 1e-3
+
+    # on CPU the result is loss parity, and the table says why no speed is shown
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    assert lines[-5].startswith("| implementation | status | tokens/s")  # the table is the last thing on stdout
-    assert lines[-4].startswith("|---|")
+    assert lines[-5].startswith("| implementation | status | final loss | max abs loss diff vs eager")
+    assert lines[-4].startswith("|---|")  # the table is the last thing on stdout
     assert [line.split("|")[1].strip() for line in lines[-3:]] == ["eager", "sdpa", "fpatch"]
+    assert "Triton interpreter, whose timings measure nothing" in lines[-6]
+    assert "tokens/s" not in lines[-5] and "x |" not in proc.stdout  # no "0.00x sdpa" ratios
+
+
+def _fake_report(device_type: str, interpret: str | None = None) -> dict:
+    rows = [
+        {"implementation": "eager", "status": "ok", "losses": [5.0, 4.0, 3.0], "final_loss": 3.0,
+         "tokens_per_s": 30000.0, "step_time_ms": 10.0, "step_time_ms_median": 10.0, "peak_rss_gib": [0.5],
+         "peak_allocated_gib": [1.0], "peak_reserved_gib": [1.5]},
+        {"implementation": "sdpa", "status": "ok", "losses": [5.0, 4.0, 3.0], "final_loss": 3.0,
+         "tokens_per_s": 40000.0, "step_time_ms": 8.0, "step_time_ms_median": 8.0, "peak_rss_gib": [0.5],
+         "peak_allocated_gib": [1.0], "peak_reserved_gib": [1.25]},
+        {"implementation": "fpatch", "status": "ok", "losses": [5.0, 4.0002, 3.0001], "final_loss": 3.0001,
+         "tokens_per_s": 50.0, "step_time_ms": 8000.0, "step_time_ms_median": 8000.0, "peak_rss_gib": [0.5],
+         "peak_allocated_gib": [0.9, 0.95], "peak_reserved_gib": [1.2, 1.3]},
+        {"implementation": "flex_attention", "status": "skipped", "reason": "no dropout"},
+    ]
+    return {"config": {"name": "t", "warmup_steps": 1, "steps": 2, "data_mode": "packed", "seq_len": 64,
+                       "batch_size": 2, "compile": ""},
+            "environment": {"device_type": device_type, "device_name": "NVIDIA H100 80GB HBM3" if device_type ==
+                            "cuda" else "x86_64", "world_size": 2, "mixed_precision": "bf16",
+                            "triton_interpret": interpret, "torch": "2.11.0+cu130", "triton": "3.6.0"},
+            "results": rows}
+
+
+def test_cpu_report_is_loss_parity_and_plots_stay_readable(tmp_path):
+    fake = _fake_report("cpu", "1")
+    assert not report.measures_speed(fake) and not report.measures_speed(_fake_report("cuda", "1"))
+    parity = report.loss_parity(fake)
+    assert parity["reference"] == "eager"
+    assert parity["max_abs_diff"]["sdpa"] == 0.0 and parity["max_abs_diff"]["fpatch"] == pytest.approx(2e-4)
+    assert parity["max_abs_diff"]["flex_attention"] is None
+    table = report.markdown_table(fake)
+    assert "| fpatch | ok | 3.0001 | 2.00e-04 | 0.50 |" in table and "| eager | ok | 3.0000 | (reference) |" in table
+    assert "| flex_attention | skipped: no dropout |" in table
+    assert "tokens/s |" not in table and "measure nothing" in table
+    assert report.append_history(fake, str(tmp_path / "h.csv")) is None and not (tmp_path / "h.csv").exists()
+    paths = report.write_plots(fake, tmp_path)  # tiny fpatch bar (log scale), coinciding loss curves
+    assert [p.name for p in paths] == ["throughput.png", "memory.png", "loss.png"]
+    assert all(p.stat().st_size > 5_000 for p in paths)
+
+
+def test_gpu_report_appends_history_rows(tmp_path):
+    import csv
+
+    import history
+
+    fake = _fake_report("cuda")
+    assert report.measures_speed(fake) and "| implementation | status | tokens/s" in report.markdown_table(fake)
+    path = tmp_path / "history.csv"
+    for _ in range(2):  # the header once, the rows each time
+        assert report.append_history(fake, str(path), date="2026-01-02", commit="abc1234") == path
+    rows = list(csv.DictReader(path.open()))
+    assert list(rows[0]) == list(history.COLUMNS) and len(rows) == 2 * 3 * 4  # 3 ok implementations x 4 metrics
+    fp = {r["metric"]: r for r in rows[:12] if r["implementation"] == "fpatch"}
+    assert fp["tokens_per_s"]["value"] == "50" and fp["peak_allocated_gib"]["value"] == "0.95"
+    assert fp["tokens_per_s"]["case"] == "t packed seq 64 batch 2x2 bf16"
+    assert [r["value"] for r in rows if r["metric"] == "tokens_per_s"][:2] == ["30000", "40000"]
+    assert (fp["tokens_per_s"]["date"], fp["tokens_per_s"]["commit"], fp["tokens_per_s"]["gpu"],
+            fp["tokens_per_s"]["torch"], fp["tokens_per_s"]["triton"]) == (
+        "2026-01-02", "abc1234", "NVIDIA H100 80GB HBM3", "2.11.0+cu130", "3.6.0")
+    assert report.append_history(fake, "") is None  # FLASHPATCH_HISTORY="" turns it off
+
+
+def test_bench_attention_history_rows(tmp_path):
+    import csv
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_attention
+
+    fake = {"gpu": "NVIDIA H100 80GB HBM3", "dtype": "bf16", "torch": "2.11.0+cu130", "triton": "3.6.0", "results": [
+        {"peer": "fpatch", "case": "d128 causal N=4096", "status": "ok", "fwd_tflops": 558.84, "bwd_tflops": 466.1,
+         "fwd_bwd_tflops": 477.2},
+        {"peer": "flex", "case": "d128 causal dropout0.1 N=2048", "status": "n/a", "reason": "no dropout"},
+    ]}
+    path = bench_attention.append_history(str(tmp_path / "h.csv"), fake, date="2026-11-27", commit="3bb085d")
+    rows = list(csv.DictReader(path.open()))
+    assert [(r["case"], r["implementation"], r["metric"], r["value"]) for r in rows] == [
+        ("d128 causal N=4096 bf16", "fpatch", "fwd_tflops", "558.8"),
+        ("d128 causal N=4096 bf16", "fpatch", "bwd_tflops", "466.1"),
+        ("d128 causal N=4096 bf16", "fpatch", "fwd_bwd_tflops", "477.2"),
+    ]
+    if not torch.cuda.is_available():
+        assert bench_attention.main(["--quick"]) == 2  # GPU only: a clear refusal here

@@ -100,7 +100,7 @@ def patch_model(model: torch.nn.Module, padding_free: bool = False) -> torch.nn.
         row's first real token) are left out of the loss, with a warning. Batches without padding, generation
         and KV-cache decoding run as without it. Verified families and heads only: `hf_padding_free.VERIFIED`.
 
-    Raises NotImplementedError for models flashpatch cannot run correctly (see docs/patch_support.md), ValueError
+    Raises NotImplementedError for models flashpatch cannot run correctly (see docs/model_support.md), ValueError
     when the model is already patched with the other padding_free setting.
     """
     _hf.register()

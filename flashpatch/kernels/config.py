@@ -139,7 +139,9 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
             # 1.88-1.90 -> 1.73 ms (32 heads), 1.87-1.89 -> 1.74 (GQA 32/8); round 22 saw the same 8% once. Dense
             # rows and head dims up to 32, not measured with it, keep 128 queries.
             bwd_dq=LaunchConfig(64 if masked and not aligned and block_d == 64 else 128, 64, num_warps=4,
-                                num_stages=3, blocks_fastest=bwd_blocks_fastest, tma=masked),
+                                num_stages=3, blocks_fastest=bwd_blocks_fastest,
+                                # ptxas (Triton 3.6) crashes on the masked dropout dQ at head dims up to 32 with TMA
+                                tma=masked and not (dropout and block_d < 64)),
             atomic_dq=False,
             # Round 18 (round18_gluon_d64.log, GPU kernel time, Triton -> Gluon): the Gluon forward wins without a
             # mask (n4096 / n8192 1.40 / 2.88 -> 1.31 / 2.54-2.63 ms) but not with one (causal n4096 0.728 ->
