@@ -20,8 +20,8 @@ PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 RECIPE_ONLY = ("accelerate", "datasets", "matplotlib", "pyarrow", "tqdm", "yaml")  # the `recipes` extra's modules
 # module name -> distribution, where they differ
 DISTRIBUTION = {"yaml": "pyyaml"}
-# what the declared dependencies bring themselves (transformers requires numpy), or an optional test (importorskip)
-INDIRECT = {"numpy", "peft"}
+# what the declared dependencies bring themselves (transformers requires numpy and tokenizers)
+INDIRECT = {"numpy", "tokenizers"}
 
 
 def _requirement_names(requirements) -> set[str]:
