@@ -19,10 +19,10 @@ import torch
 import triton
 
 from flashpatch.kernels import config as kernel_config
-from flashpatch.kernels import hopper_common, hopper_dkdv, hopper_dq, hopper_fwd
-from flashpatch.kernels.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
-from flashpatch.kernels.dropout_mask import dropout_mask_kernel
-from flashpatch.kernels.forward import attn_fwd_kernel
+from flashpatch.kernels.sm90 import common as sm90_common, dkdv as sm90_dkdv, dq as sm90_dq, fwd as sm90_fwd
+from flashpatch.kernels.triton.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
+from flashpatch.kernels.triton.dropout import dropout_mask_kernel
+from flashpatch.kernels.triton.forward import attn_fwd_kernel
 from flashpatch.memo import once_per_tensor
 
 LOG2E = math.log2(math.e)
@@ -79,7 +79,7 @@ def _common_flags(varlen, window_left, window_right, softcap, dropout_p, dtype, 
 
 
 def _tma_supported(device: torch.device) -> bool:
-    return (not _INTERPRETED and device.type == "cuda" and hopper_common.capability(device)[0] >= 9
+    return (not _INTERPRETED and device.type == "cuda" and sm90_common.capability(device)[0] >= 9
             and hasattr(triton.language, "make_tensor_descriptor"))
 
 
@@ -290,10 +290,10 @@ def attn_fwd_impl(
     if out.numel() == 0:
         return out, lse
     cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p)
-    if cfgs.gluon_fwd and hopper_fwd.supported(  # the Gluon kernel where it applies
+    if cfgs.gluon_fwd and sm90_fwd.supported(  # the Gluon kernel where it applies
             q, k, v, varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
             window_right=window_right, softcap=softcap, dropout_p=dropout_p):
-        hopper_fwd.attn_fwd(q, k, v, out, lse, _scales(softmax_scale, softcap)[0], causal=window_right == 0,
+        sm90_fwd.attn_fwd(q, k, v, out, lse, _scales(softmax_scale, softcap)[0], causal=window_right == 0,
                             alibi_slopes=alibi_slopes, fold=cfgs.fold_scale, seed_offset=seed_offset,
                             dropout_p=dropout_p)
         return out, lse
@@ -307,7 +307,7 @@ def attn_fwd_impl(
     attn_fwd_kernel[grid](
         q, k, v, out, lse, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes,
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen), *_seq_strides(out, varlen),
-        *_lse_strides(lse, varlen), hopper_common.alibi_batch_stride(alibi_slopes),
+        *_lse_strides(lse, varlen), sm90_common.alibi_batch_stride(alibi_slopes),
         nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
         qk_scale, cap_log2, dropout_p, window_left, window_right,
         HEADDIM=headdim, BLOCK_D=triton.next_power_of_2(headdim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -385,11 +385,11 @@ def attn_bwd_impl(
         HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=pre.block_m, IS_VARLEN=varlen,
     )
 
-    # The Gluon Hopper kernels take the calls in their scope (hopper_common.sm90_dense_ok), the Triton ones the rest
+    # The Gluon Hopper kernels take the calls in their scope (sm90_common.sm90_dense_ok), the Triton ones the rest
     gluon_scope = dict(varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
                        window_right=window_right, softcap=softcap, dropout_p=dropout_p)
-    gluon_dkdv = cfgs.gluon_dkdv and hopper_dkdv.supported(q, k, v, dout, **gluon_scope)
-    fuses_dq = hopper_dkdv.fuses_dq(headdim)  # whether the Gluon dK/dV could add dQ itself
+    gluon_dkdv = cfgs.gluon_dkdv and sm90_dkdv.supported(q, k, v, dout, **gluon_scope)
+    fuses_dq = sm90_dkdv.fuses_dq(headdim)  # whether the Gluon dK/dV could add dQ itself
     fused_dq = not deterministic and cfgs.fused_dq and gluon_dkdv and fuses_dq
     # config's atomic dQ is the Triton dK/dV's, taken with dropout to spare the dQ pass its second draw; where the
     # Gluon dK/dV draws the bits (v51) its fused dQ or the separate pass beside it is faster (NOTES.md v51, v52)
@@ -400,9 +400,9 @@ def attn_bwd_impl(
     causal = window_right == 0
 
     def launch_dkdv():
-        # with atomic dQ, the Gluon dK/dV only where it adds dQ itself (hopper_dkdv.fuses_dq)
+        # with atomic dQ, the Gluon dK/dV only where it adds dQ itself (sm90_dkdv.fuses_dq)
         if gluon_dkdv and (not atomic_dq or fuses_dq):
-            hopper_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal,
+            sm90_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal,
                                       alibi_slopes, dq_accum=dq_accum if atomic_dq else None,
                                       seed_offset=seed_offset, dropout_p=dropout_p)
         else:
@@ -417,7 +417,7 @@ def attn_bwd_impl(
                 alibi_slopes,
                 *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
                 *_seq_strides(dout, varlen), *_seq_strides(dq_accum, varlen), *_seq_strides(dk, varlen),
-                *_seq_strides(dv, varlen), *_lse_strides(lse, varlen), hopper_common.alibi_batch_stride(alibi_slopes),
+                *_seq_strides(dv, varlen), *_lse_strides(lse, varlen), sm90_common.alibi_batch_stride(alibi_slopes),
                 nheads, nheads_k, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
                 qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
                 HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq,
@@ -433,8 +433,8 @@ def attn_bwd_impl(
     def launch_dq():
         if atomic_dq:
             dq.copy_(dq_accum)
-        elif cfgs.gluon_dq and hopper_dq.supported(q, k, v, dout, **gluon_scope):
-            hopper_dq.attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale, softmax_scale, causal,
+        elif cfgs.gluon_dq and sm90_dq.supported(q, k, v, dout, **gluon_scope):
+            sm90_dq.attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale, softmax_scale, causal,
                                   seed_offset=seed_offset, dropout_p=dropout_p, alibi_slopes=alibi_slopes,
                                   beside_dkdv=concurrent)
         else:
@@ -448,7 +448,7 @@ def attn_bwd_impl(
                 q, k, v, dout, lse, delta, dq, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes,
                 *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
                 *_seq_strides(dout, varlen), *_seq_strides(dq, varlen), *_lse_strides(lse, varlen),
-                hopper_common.alibi_batch_stride(alibi_slopes),
+                sm90_common.alibi_batch_stride(alibi_slopes),
                 nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
                 qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
                 HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, TMA=tma_dq,

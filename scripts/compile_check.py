@@ -17,10 +17,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from flashpatch.kernels.backward import (  # noqa: E402
+from flashpatch.kernels.triton.backward import (  # noqa: E402
     attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel)
 from flashpatch.kernels import config as kernel_config  # noqa: E402
-from flashpatch.kernels.forward import attn_fwd_kernel  # noqa: E402
+from flashpatch.kernels.triton.forward import attn_fwd_kernel  # noqa: E402
 
 
 def signature(fn, dtype, constexprs):

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from a checkout, not installed
-from flashpatch.kernels.common import dropout_keep, dropout_keep_transposed  # noqa: E402
+from flashpatch.kernels.triton.common import dropout_keep, dropout_keep_transposed  # noqa: E402
 
 VARIANTS = ("kernels", "kernels_t", "four_lanes_v11", "one_lane")
 

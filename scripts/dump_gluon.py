@@ -19,9 +19,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from flashpatch.kernels import hopper_dkdv as hk  # noqa: E402
-from flashpatch.kernels import hopper_dq as hq  # noqa: E402
-from flashpatch.kernels import hopper_fwd as hf  # noqa: E402
+from flashpatch.kernels.sm90 import dkdv as hk  # noqa: E402
+from flashpatch.kernels.sm90 import dq as hq  # noqa: E402
+from flashpatch.kernels.sm90 import fwd as hf  # noqa: E402
 
 
 def main():

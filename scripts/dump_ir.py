@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import triton  # noqa: E402
 
 from compile_check import compile_one, feature_constexprs, launch_constexprs  # noqa: E402
-from flashpatch.kernels.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel  # noqa: E402
+from flashpatch.kernels.triton.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel  # noqa: E402
 from flashpatch.kernels.config import LaunchConfig  # noqa: E402
-from flashpatch.kernels.forward import attn_fwd_kernel  # noqa: E402
+from flashpatch.kernels.triton.forward import attn_fwd_kernel  # noqa: E402
 
 KERNELS = {"fwd": attn_fwd_kernel, "dkdv": attn_bwd_dkdv_kernel, "dq": attn_bwd_dq_kernel}
 

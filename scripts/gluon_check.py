@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flashpatch  # noqa: E402
 from flashpatch import reference  # noqa: E402
 from flashpatch.kernels import config as kc  # noqa: E402
-from flashpatch.kernels import hopper_dkdv as hk  # noqa: E402
-from flashpatch.kernels import hopper_dq as hq  # noqa: E402
-from flashpatch.kernels import hopper_fwd as hf  # noqa: E402
+from flashpatch.kernels.sm90 import dkdv as hk  # noqa: E402
+from flashpatch.kernels.sm90 import dq as hq  # noqa: E402
+from flashpatch.kernels.sm90 import fwd as hf  # noqa: E402
 from profile_kernels import kernel_times  # noqa: E402
 
 CALLS = {"n": 0}

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flashpatch  # noqa: E402
 from flashpatch import autograd as fp_autograd, ops, validation  # noqa: E402
 from flashpatch.autograd import FlashAttnFunction  # noqa: E402
-from flashpatch.kernels import hopper_common, hopper_dkdv, hopper_dq, hopper_fwd  # noqa: E402
+from flashpatch.kernels.sm90 import common as hopper_common, dkdv as hopper_dkdv, dq as hopper_dq, fwd as hopper_fwd  # noqa: E402
 from gluon_check import SHAPES  # noqa: E402
 
 

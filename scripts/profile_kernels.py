@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flashpatch  # noqa: E402
-from flashpatch.kernels import backward, forward  # noqa: E402
+from flashpatch.kernels.triton import backward, forward  # noqa: E402
 
 
 def kernel_times(step, iters=10):

@@ -14,7 +14,7 @@ import torch
 import flashpatch
 from flashpatch import ops
 from flashpatch.kernels import config as kernel_config
-from flashpatch.kernels import schedule
+from flashpatch.kernels.sm90 import schedule
 from flashpatch.padding import cu_seqlens_from_lengths
 from flashpatch.reference import varlen_attention_reference
 from tests.helpers import check_against_reference, random_qkv
@@ -197,45 +197,45 @@ def test_fused_dq_only_for_d128_rows_with_long_keys():
 @pytest.mark.parametrize("headdim,accum_dtype,accum_rows", [(64, torch.float32, 17), (128, torch.bfloat16, 17),
                                                              (128, torch.float32, 16)])
 def test_gluon_dkdv_refuses_a_dq_buffer_it_cannot_add_into(headdim, accum_dtype, accum_rows):
-    # the fused dQ (hopper_dkdv.fuses_dq) is head dim 128 only and adds into an fp32 buffer shaped like q; anything
+    # the fused dQ (sm90_dkdv.fuses_dq) is head dim 128 only and adds into an fp32 buffer shaped like q; anything
     # else is refused before a descriptor is built, so it fails the same on a CPU
-    from flashpatch.kernels import hopper_dkdv
+    from flashpatch.kernels.sm90 import dkdv as sm90_dkdv
 
     q, k, v = random_qkv(1, 17, 17, 2, 1, headdim, torch.float16, requires_grad=False)
     lse = torch.zeros(1, 2, 17)
     accum = torch.zeros(1, accum_rows, 2, headdim, dtype=accum_dtype)
     with pytest.raises(ValueError, match="fuses_dq|dq_accum must be float32"):
-        hopper_dkdv.attn_bwd_dkdv(q, k, v, q, lse, lse.clone(), k.clone(), v.clone(), 1.0, 1.0, True,
+        sm90_dkdv.attn_bwd_dkdv(q, k, v, q, lse, lse.clone(), k.clone(), v.clone(), 1.0, 1.0, True,
                                   dq_accum=accum)
 
 
 @pytest.mark.parametrize("headdim,with_seed", [(64, True), (128, False)], ids=["d64", "no_seed_offset"])
 def test_gluon_dkdv_refuses_dropout_it_cannot_draw(headdim, with_seed):
-    # the drawer warps (hopper_dkdv._keep_drawer) serve head dim 128, from a (seed, offset) tensor; a call outside
+    # the drawer warps (sm90_dkdv._keep_drawer) serve head dim 128, from a (seed, offset) tensor; a call outside
     # that is refused naming the values, before a descriptor is built
-    from flashpatch.kernels import hopper_dkdv
+    from flashpatch.kernels.sm90 import dkdv as sm90_dkdv
 
     q, k, v = random_qkv(1, 17, 17, 2, 1, headdim, torch.float16, requires_grad=False)
     lse = torch.zeros(1, 2, 17)
     seed_offset = torch.zeros(2, dtype=torch.int64) if with_seed else None
     refused = "at head dim 64 with seed_offset=tensor|at head dim 128 with seed_offset=None"
     with pytest.raises(ValueError, match=refused):
-        hopper_dkdv.attn_bwd_dkdv(q, k, v, q, lse, lse.clone(), k.clone(), v.clone(), 1.0, 1.0, True,
+        sm90_dkdv.attn_bwd_dkdv(q, k, v, q, lse, lse.clone(), k.clone(), v.clone(), 1.0, 1.0, True,
                                   seed_offset=seed_offset, dropout_p=0.1)
 
 
 @pytest.mark.parametrize("headdim,with_seed", [(64, True), (128, False)], ids=["d64", "no_seed_offset"])
 def test_gluon_forward_refuses_dropout_it_cannot_draw(headdim, with_seed):
-    # the forward's drawer warps (hopper_fwd._fwd_keep_drawer) serve head dim 128, from a (seed, offset) tensor, and
+    # the forward's drawer warps (sm90_fwd._fwd_keep_drawer) serve head dim 128, from a (seed, offset) tensor, and
     # `supported` keeps every other dropout call on the Triton kernel; a direct call outside that is refused naming
     # the values, before a descriptor is built
-    from flashpatch.kernels import hopper_fwd
+    from flashpatch.kernels.sm90 import fwd as sm90_fwd
 
     q, k, v = random_qkv(1, 17, 17, 2, 1, headdim, torch.float16, requires_grad=False)
     seed_offset = torch.zeros(2, dtype=torch.int64) if with_seed else None
     refused = "at head dim 64 with seed_offset=tensor|at head dim 128 with seed_offset=None"
     with pytest.raises(ValueError, match=refused):
-        hopper_fwd.attn_fwd(q, k, v, torch.empty_like(q), torch.zeros(1, 2, 17), 1.0, True, seed_offset=seed_offset,
+        sm90_fwd.attn_fwd(q, k, v, torch.empty_like(q), torch.zeros(1, 2, 17), 1.0, True, seed_offset=seed_offset,
                             dropout_p=0.1)
 
 
@@ -245,16 +245,16 @@ def test_gluon_forward_dropout_register_split_is_one_setmaxnreg_can_take(drawer_
     # warp_specialize hands the worker consumer, the producer's and the drawers' warpgroups their setmaxnreg counts
     # and the default partition's consumer the rest of the pool, which must match the worker consumer's. setmaxnreg
     # takes multiples of 8 in [24, 256]: a count outside that fails only at a GPU launch.
-    from flashpatch.kernels import hopper_fwd
+    from flashpatch.kernels.sm90 import fwd as sm90_fwd
 
-    maxnreg, consumer, worker = hopper_fwd.dropout_registers(drawer_warps)
+    maxnreg, consumer, worker = sm90_fwd.dropout_registers(drawer_warps)
     groups = {2: 4, 4: 5}[drawer_warps]  # 8 consumer warps, the producer's and 2 x drawer_warps, in fours
     for count in (consumer, worker):
         assert 24 <= count <= 256 and count % 8 == 0, (drawer_warps, consumer, worker)
     assert 2 * consumer + (groups - 2) * worker == groups * maxnreg  # nothing of the pool left idle
     assert maxnreg % 8 == 0 and groups * 128 * maxnreg <= 65536  # the register file
     with pytest.raises(ValueError, match="drawer_warps must be 2 or 4, got 3"):
-        hopper_fwd.dropout_registers(3)
+        sm90_fwd.dropout_registers(3)
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (1, 17), (17, 1), (113, 113), (45, 70), (70, 45), (5, 1023)])
@@ -304,14 +304,14 @@ def test_ops_tell_config_whether_heads_are_grouped(configs_for_calls):
 
 @pytest.mark.parametrize("order", ["bshd", "bhsd", "sbhd"])
 def test_gluon_rows_view_addresses_each_heads_rows(order):
-    from flashpatch.kernels import hopper_common
+    from flashpatch.kernels.sm90 import common as sm90_common
 
     batch, seqlen, heads, headdim = 3, 8, 5, 4
     physical = {"bshd": (0, 1, 2, 3), "bhsd": (0, 2, 1, 3), "sbhd": (1, 0, 2, 3)}[order]
     shape = [(batch, seqlen, heads, headdim)[i] for i in physical]
     t = torch.arange(batch * seqlen * heads * headdim, dtype=torch.float32).view(shape)
     t = t.permute([physical.index(i) for i in range(4)])  # seen as (B, S, H, D)
-    view = hopper_common.rows_view(t)
+    view = sm90_common.rows_view(t)
     if order == "sbhd":  # a (batch, head)'s positions are not evenly spaced rows of any 2-D view
         assert view is None
         return
@@ -323,14 +323,14 @@ def test_gluon_rows_view_addresses_each_heads_rows(order):
 
 
 def test_gluon_kernels_only_on_sm90_cuda_tensors():
-    from flashpatch.kernels import hopper_dkdv, hopper_dq, hopper_fwd
+    from flashpatch.kernels.sm90 import dkdv as sm90_dkdv, dq as sm90_dq, fwd as sm90_fwd
 
     q, k, v = random_qkv(1, 128, 128, 2, 2, 128, torch.float16, requires_grad=False)
     scope = dict(varlen=False, max_seqlen_q=128, max_seqlen_k=128, window_left=-1, window_right=0, softcap=0.0,
                  dropout_p=0.0)
-    assert not hopper_fwd.supported(q, k, v, **scope)
-    assert not hopper_dkdv.supported(q, k, v, q, **scope)
-    assert not hopper_dq.supported(q, k, v, q, **scope)
+    assert not sm90_fwd.supported(q, k, v, **scope)
+    assert not sm90_dkdv.supported(q, k, v, q, **scope)
+    assert not sm90_dq.supported(q, k, v, q, **scope)
 
 
 def test_gluon_kernels_chosen_where_they_measured_faster():
@@ -365,33 +365,33 @@ def test_causal_grids_end_on_many_heads_light_blocks(monkeypatch):
 
 
 def test_gluon_switch_and_triton_release_gate(monkeypatch):
-    from flashpatch.kernels import hopper_common
+    from flashpatch.kernels.sm90 import common as sm90_common
 
-    monkeypatch.setattr(hopper_common, "AVAILABLE", True)
-    monkeypatch.setattr(hopper_common.triton, "__version__", "3.6.0")
+    monkeypatch.setattr(sm90_common, "AVAILABLE", True)
+    monkeypatch.setattr(sm90_common.triton, "__version__", "3.6.0")
     monkeypatch.delenv("FLASHPATCH_GLUON", raising=False)
-    assert hopper_common.enabled()
+    assert sm90_common.enabled()
     monkeypatch.setenv("FLASHPATCH_GLUON", "0")
-    assert not hopper_common.enabled()
+    assert not sm90_common.enabled()
     monkeypatch.delenv("FLASHPATCH_GLUON")
-    monkeypatch.setattr(hopper_common.triton, "__version__", "3.9.0")  # a release the kernels were not checked on
-    assert not hopper_common.enabled()
+    monkeypatch.setattr(sm90_common.triton, "__version__", "3.9.0")  # a release the kernels were not checked on
+    assert not sm90_common.enabled()
 
 
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1024, 1024), (1000, 1024), (1024, 1000), (17, 113), (1, 128)])
 def test_gluon_kernels_take_only_lengths_that_divide_their_tiles(monkeypatch, seqlen_q, seqlen_k):
     # The 2-D TMA views run on into the next head's rows, so a partial tile must go to the Triton kernels.
-    from flashpatch.kernels import hopper_dkdv, hopper_dq, hopper_fwd
+    from flashpatch.kernels.sm90 import dkdv as sm90_dkdv, dq as sm90_dq, fwd as sm90_fwd
 
-    for module in (hopper_fwd, hopper_dkdv, hopper_dq):
+    for module in (sm90_fwd, sm90_dkdv, sm90_dq):
         monkeypatch.setattr(module, "sm90_dense_ok", lambda *tensors, **scope: True)
     q, k, v = random_qkv(1, seqlen_q, seqlen_k, 2, 2, 128, torch.float16, requires_grad=False)
     scope = dict(varlen=False, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, window_left=-1, window_right=0,
                  softcap=0.0, dropout_p=0.0)
     divides = seqlen_q % 128 == 0 and seqlen_k % 128 == 0
-    assert hopper_fwd.supported(q, k, v, **scope) == divides
-    assert hopper_dq.supported(q, k, v, q, **scope) == divides
-    assert hopper_dkdv.supported(q, k, v, q, **scope) == (seqlen_q % 64 == 0 and seqlen_k % 128 == 0)
+    assert sm90_fwd.supported(q, k, v, **scope) == divides
+    assert sm90_dq.supported(q, k, v, q, **scope) == divides
+    assert sm90_dkdv.supported(q, k, v, q, **scope) == (seqlen_q % 64 == 0 and seqlen_k % 128 == 0)
 
 
 @pytest.mark.parametrize("headdim,dropout", [(64, False), (128, False), (128, True)])
@@ -400,17 +400,17 @@ def test_gluon_dkdv_register_split_is_one_setmaxnreg_can_take(headdim, dropout):
     # third warpgroup (producer, reducer, drawer warps) their counts; the default partition's consumer gets the rest
     # of the three warpgroups' share. setmaxnreg takes multiples of 8 in [24, 256]: a count outside that fails only
     # at a GPU launch.
-    from flashpatch.kernels import hopper_dkdv
+    from flashpatch.kernels.sm90 import dkdv as sm90_dkdv
 
-    worker = hopper_dkdv.consumer_registers(headdim, dropout)
-    default = hopper_dkdv.default_consumer_registers(worker, dropout)
-    third = hopper_dkdv.worker_registers(dropout)
+    worker = sm90_dkdv.consumer_registers(headdim, dropout)
+    default = sm90_dkdv.default_consumer_registers(worker, dropout)
+    third = sm90_dkdv.worker_registers(dropout)
     for count in (worker, default, third):
         assert 24 <= count <= 256 and count % 8 == 0, (headdim, worker, default, third)
     # 12 warps (three warpgroups), or 16 with the dropout drawers, whose warps fill two warpgroups of `third`
     groups = 4 if dropout else 3
-    assert worker + default + (groups - 2) * third == groups * hopper_dkdv.launch_maxnreg(dropout)
-    assert groups * 128 * hopper_dkdv.launch_maxnreg(dropout) <= 65536  # the register file
+    assert worker + default + (groups - 2) * third == groups * sm90_dkdv.launch_maxnreg(dropout)
+    assert groups * 128 * sm90_dkdv.launch_maxnreg(dropout) <= 65536  # the register file
 
 
 def test_persistent_grid_rule():

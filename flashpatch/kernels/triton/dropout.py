@@ -7,7 +7,7 @@ they drew. Materializes (batch, nheads, max_seqlen_q, max_seqlen_k): small shape
 import triton
 import triton.language as tl
 
-from flashpatch.kernels.common import dropout_head_rows, dropout_keep
+from flashpatch.kernels.triton.common import dropout_head_rows, dropout_keep
 
 
 @triton.jit

@@ -9,7 +9,7 @@ which the backward uses to recompute P without storing it.
 import triton
 import triton.language as tl
 
-from flashpatch.kernels.common import (
+from flashpatch.kernels.triton.common import (
     alibi_bias, dropout_head_rows, dropout_keep, head_rows_desc, key_block_range, load_tile, query_block_program, tanh,
     visible)
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from flashpatch.kernels.common import dropout_head_rows, keep_from_words
+from flashpatch.kernels.triton.common import dropout_head_rows, keep_from_words
 from flashpatch.kernels.config import head_group, persistent_grid, sm_count
-from flashpatch.kernels.hopper_common import AVAILABLE, alibi_batch_stride, descriptor, sm90_dense_ok, tma_load
+from flashpatch.kernels.sm90.common import AVAILABLE, alibi_batch_stride, descriptor, sm90_dense_ok, tma_load
 
 if AVAILABLE:
     from triton.experimental import gluon
@@ -29,7 +29,7 @@ if AVAILABLE:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
-    from flashpatch.kernels.hopper_fwd import (
+    from flashpatch.kernels.sm90.fwd import (
         alibi_bias, allocate_kv_ring, allocate_query_barriers, dropout_seed_offset, head_slope_log2, persistent_rounds,
         persistent_tile, philox_wide, producer_persistent, query_block_of_tile, query_block_program, stream_kv)
 

@@ -39,10 +39,10 @@ from __future__ import annotations
 import torch
 import triton
 
-from flashpatch.kernels.common import dropout_head_rows, dropout_threshold, tile_head_and_block
+from flashpatch.kernels.triton.common import dropout_head_rows, dropout_threshold, tile_head_and_block
 from flashpatch.kernels.config import head_group, persistent_grid, sm_count
-from flashpatch.kernels.schedule import causal_schedule_tensor
-from flashpatch.kernels.hopper_common import (
+from flashpatch.kernels.sm90.schedule import causal_schedule_tensor
+from flashpatch.kernels.sm90.common import (
     AVAILABLE, alibi_batch_stride, carry_shift_in_ptx, descriptor, kept_dims, sm90_dense_ok, tma_load)
 
 if AVAILABLE:

@@ -15,7 +15,7 @@ Softcap: scores = c * tanh(x * scale / c), so dS picks up the factor (1 - tanh²
 import triton
 import triton.language as tl
 
-from flashpatch.kernels.common import (
+from flashpatch.kernels.triton.common import (
     alibi_bias, batch_head_and_block, dropout_head_rows, dropout_keep, dropout_keep_transposed, head_rows_desc,
     key_block_range, load_tile, query_block_program, query_block_range, seq_bounds, tanh, visible)
 

@@ -56,9 +56,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from flashpatch.kernels.common import dropout_head_rows, head_and_block
+from flashpatch.kernels.triton.common import dropout_head_rows, head_and_block
 from flashpatch.kernels.config import head_group
-from flashpatch.kernels.hopper_common import (
+from flashpatch.kernels.sm90.common import (
     AVAILABLE, TMA_REDUCE, alibi_batch_stride, carry_shift_in_ptx, descriptor, fp32_descriptor, kept_dims,
     sm90_dense_ok, tma_load, vector_descriptor)
 
@@ -69,8 +69,8 @@ if AVAILABLE:
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
     if TMA_REDUCE:
-        from flashpatch.kernels.hopper_common import tma_reduce_add
-    from flashpatch.kernels.hopper_fwd import (
+        from flashpatch.kernels.sm90.common import tma_reduce_add
+    from flashpatch.kernels.sm90.fwd import (
         alibi_bias, allocate_keep_ring, carry_addend, dropout_seed_offset, head_slope_log2, philox_wide)
 
 BLOCK_M = {64: 64, 128: 64}  # queries per step, by head dim
