@@ -19,11 +19,17 @@ import torch
 import triton
 
 from flashpatch.kernels import config as kernel_config
-from flashpatch.kernels.sm90 import common as sm90_common, dkdv as sm90_dkdv, dq as sm90_dq, fwd as sm90_fwd
+from flashpatch.kernels import sm90
 from flashpatch.kernels.triton.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
+from flashpatch.kernels.triton.common import alibi_batch_stride
 from flashpatch.kernels.triton.dropout import dropout_mask_kernel
 from flashpatch.kernels.triton.forward import attn_fwd_kernel
 from flashpatch.memo import once_per_tensor
+
+if sm90.AVAILABLE:  # the Gluon kernels, which take the calls in their scope where sm90.enabled()
+    from flashpatch.kernels.sm90 import dkdv as sm90_dkdv, dq as sm90_dq, fwd as sm90_fwd
+else:  # pragma: no cover - depends on the installed Triton
+    sm90_dkdv = sm90_dq = sm90_fwd = None
 
 LOG2E = math.log2(math.e)
 _INTERPRETED = type(attn_fwd_kernel).__name__ == "InterpretedFunction"
@@ -79,7 +85,7 @@ def _common_flags(varlen, window_left, window_right, softcap, dropout_p, dtype, 
 
 
 def _tma_supported(device: torch.device) -> bool:
-    return (not _INTERPRETED and device.type == "cuda" and sm90_common.capability(device)[0] >= 9
+    return (not _INTERPRETED and device.type == "cuda" and sm90.capability(device)[0] >= 9
             and hasattr(triton.language, "make_tensor_descriptor"))
 
 
@@ -290,7 +296,7 @@ def attn_fwd_impl(
     if out.numel() == 0:
         return out, lse
     cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p)
-    if cfgs.gluon_fwd and sm90_fwd.supported(  # the Gluon kernel where it applies
+    if cfgs.gluon_fwd and sm90_fwd is not None and sm90_fwd.supported(  # the Gluon kernel where it applies
             q, k, v, varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
             window_right=window_right, softcap=softcap, dropout_p=dropout_p):
         sm90_fwd.attn_fwd(q, k, v, out, lse, _scales(softmax_scale, softcap)[0], causal=window_right == 0,
@@ -307,7 +313,7 @@ def attn_fwd_impl(
     attn_fwd_kernel[grid](
         q, k, v, out, lse, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes,
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen), *_seq_strides(out, varlen),
-        *_lse_strides(lse, varlen), sm90_common.alibi_batch_stride(alibi_slopes),
+        *_lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes),
         nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
         qk_scale, cap_log2, dropout_p, window_left, window_right,
         HEADDIM=headdim, BLOCK_D=triton.next_power_of_2(headdim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -385,11 +391,11 @@ def attn_bwd_impl(
         HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=pre.block_m, IS_VARLEN=varlen,
     )
 
-    # The Gluon Hopper kernels take the calls in their scope (sm90_common.sm90_dense_ok), the Triton ones the rest
+    # The Gluon Hopper kernels take the calls in their scope (sm90.common.sm90_dense_ok), the Triton ones the rest
     gluon_scope = dict(varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
                        window_right=window_right, softcap=softcap, dropout_p=dropout_p)
-    gluon_dkdv = cfgs.gluon_dkdv and sm90_dkdv.supported(q, k, v, dout, **gluon_scope)
-    fuses_dq = sm90_dkdv.fuses_dq(headdim)  # whether the Gluon dK/dV could add dQ itself
+    gluon_dkdv = cfgs.gluon_dkdv and sm90_dkdv is not None and sm90_dkdv.supported(q, k, v, dout, **gluon_scope)
+    fuses_dq = gluon_dkdv and sm90_dkdv.fuses_dq(headdim)  # whether the Gluon dK/dV could add dQ itself
     fused_dq = not deterministic and cfgs.fused_dq and gluon_dkdv and fuses_dq
     # config's atomic dQ is the Triton dK/dV's, taken with dropout to spare the dQ pass its second draw; where the
     # Gluon dK/dV draws the bits (v51) its fused dQ or the separate pass beside it is faster (NOTES.md v51, v52)
@@ -417,7 +423,7 @@ def attn_bwd_impl(
                 alibi_slopes,
                 *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
                 *_seq_strides(dout, varlen), *_seq_strides(dq_accum, varlen), *_seq_strides(dk, varlen),
-                *_seq_strides(dv, varlen), *_lse_strides(lse, varlen), sm90_common.alibi_batch_stride(alibi_slopes),
+                *_seq_strides(dv, varlen), *_lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes),
                 nheads, nheads_k, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
                 qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
                 HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq,
@@ -433,7 +439,7 @@ def attn_bwd_impl(
     def launch_dq():
         if atomic_dq:
             dq.copy_(dq_accum)
-        elif cfgs.gluon_dq and sm90_dq.supported(q, k, v, dout, **gluon_scope):
+        elif cfgs.gluon_dq and sm90_dq is not None and sm90_dq.supported(q, k, v, dout, **gluon_scope):
             sm90_dq.attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale, softmax_scale, causal,
                                   seed_offset=seed_offset, dropout_p=dropout_p, alibi_slopes=alibi_slopes,
                                   beside_dkdv=concurrent)
@@ -448,7 +454,7 @@ def attn_bwd_impl(
                 q, k, v, dout, lse, delta, dq, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes,
                 *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
                 *_seq_strides(dout, varlen), *_seq_strides(dq, varlen), *_lse_strides(lse, varlen),
-                sm90_common.alibi_batch_stride(alibi_slopes),
+                alibi_batch_stride(alibi_slopes),
                 nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
                 qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
                 HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, TMA=tma_dq,

@@ -9,7 +9,8 @@ import torch
 
 import flashpatch
 from flashpatch.kernels import config as kernel_config
-from flashpatch.kernels.sm90 import common as sm90_common, dkdv as sm90_dkdv, dq as sm90_dq, fwd as sm90_fwd
+from flashpatch.kernels import sm90
+from flashpatch.kernels.sm90 import dkdv as sm90_dkdv, dq as sm90_dq, fwd as sm90_fwd
 from flashpatch.padding import cu_seqlens_from_lengths
 from flashpatch.reference import varlen_attention_reference
 from tests.helpers import check_against_reference, random_qkv
@@ -146,7 +147,7 @@ def _gluon_id(case):
 
 
 needs_gluon = pytest.mark.skipif(
-    not (sm90_common.enabled() and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    not (sm90.enabled() and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
     reason="the Gluon kernels are for sm_90 with the Triton release they were checked on")
 
 

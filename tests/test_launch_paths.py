@@ -365,17 +365,17 @@ def test_causal_grids_end_on_many_heads_light_blocks(monkeypatch):
 
 
 def test_gluon_switch_and_triton_release_gate(monkeypatch):
-    from flashpatch.kernels.sm90 import common as sm90_common
+    from flashpatch.kernels import sm90
 
-    monkeypatch.setattr(sm90_common, "AVAILABLE", True)
-    monkeypatch.setattr(sm90_common.triton, "__version__", "3.6.0")
+    monkeypatch.setattr(sm90, "AVAILABLE", True)
+    monkeypatch.setattr(sm90.triton, "__version__", "3.6.0")
     monkeypatch.delenv("FLASHPATCH_GLUON", raising=False)
-    assert sm90_common.enabled()
+    assert sm90.enabled()
     monkeypatch.setenv("FLASHPATCH_GLUON", "0")
-    assert not sm90_common.enabled()
+    assert not sm90.enabled()
     monkeypatch.delenv("FLASHPATCH_GLUON")
-    monkeypatch.setattr(sm90_common.triton, "__version__", "3.9.0")  # a release the kernels were not checked on
-    assert not sm90_common.enabled()
+    monkeypatch.setattr(sm90.triton, "__version__", "3.9.0")  # a release the kernels were not checked on
+    assert not sm90.enabled()
 
 
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1024, 1024), (1000, 1024), (1024, 1000), (17, 113), (1, 128)])

@@ -275,3 +275,9 @@ def dropout_keep_transposed(seed, offset, rows0, n0, max_seqlen_k, dropout_p,
     through shared memory to do it, which costs less than the second draw (NOTES.md v25: dK/dV 4-12% faster)."""
     keep = dropout_keep(seed, offset, rows0, n0, max_seqlen_k, dropout_p, BLOCK_M, BLOCK_N).to(tl.int8)
     return tl.trans(keep) != 0
+
+
+def alibi_batch_stride(alibi_slopes) -> int:
+    """The slopes' stride between sequences, on the host: 0 for None or (nheads,) slopes (one row for every
+    sequence), else that of the (batch, nheads) tensor; every kernel reads the slope of (b, h) at b * stride + h."""
+    return alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
