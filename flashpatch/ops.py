@@ -19,6 +19,7 @@ import torch
 import triton
 
 from flashpatch.kernels import config as kernel_config
+from flashpatch.kernels import options as kernel_options
 from flashpatch.kernels import sm90
 from flashpatch.kernels.triton.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from flashpatch.kernels.triton.common import alibi_batch_stride
@@ -180,7 +181,7 @@ _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
 
 
 def _launch_grid(heads: int, block: int, blocks_fastest: bool, cu_seqlens: Optional[torch.Tensor], rows: int,
-                 batch: int, max_seqlen: int, heaviest_first: bool):
+                 batch: int, max_seqlen: int, heaviest_first: bool, opts: kernel_options.KernelOptions):
     """(grid, VARLEN_BLOCKS, BLOCKS_FASTEST) of a launch with one program per head and block of `block` rows (of
     queries: the forward and dQ, heaviest_first; of keys: dK/dV). A varlen grid too long for the second axis of
     a 2-D grid becomes a 1-D one (common.head_and_block: a head's blocks side by side)."""
@@ -188,19 +189,19 @@ def _launch_grid(heads: int, block: int, blocks_fastest: bool, cu_seqlens: Optio
         return _grid(batch * heads, triton.cdiv(max_seqlen, block), blocks_fastest), None, blocks_fastest
     if not blocks_fastest and _varlen_grid_blocks(cu_seqlens, rows, block) > _MAX_GRID_Y:
         blocks_fastest = True
-    blocks = varlen_blocks(cu_seqlens, rows, block, heaviest_first, kernel_config.VARLEN_LONGEST_FIRST)
+    blocks = varlen_blocks(cu_seqlens, rows, block, heaviest_first, opts.varlen_longest_first)
     return _grid(heads, blocks.shape[1], blocks_fastest), blocks, blocks_fastest
 
 
 def _head_group(cfg: kernel_config.LaunchConfig, varlen: bool, window_left: int, window_right: int, max_seqlen: int,
-                device: torch.device, by_keys: bool = False) -> int:
+                device: torch.device, opts: kernel_options.KernelOptions, by_keys: bool = False) -> int:
     """The grid order of a `blocks_fastest` launch (config.head_group): by how much a block's work varies, which
     the rule knows for dense causal rows; the rest keep a head's blocks side by side (1)."""
     if not cfg.blocks_fastest:
         return 1  # unused: a 2-D grid
     causal = not varlen and window_left < 0 and window_right == 0
     return kernel_config.head_group(causal, triton.cdiv(max_seqlen, cfg.block_n if by_keys else cfg.block_m),
-                                    device)
+                                    device, opts.head_group)
 
 
 def _even_interior(enabled: bool, headdim: int) -> bool:
@@ -226,14 +227,17 @@ def _aligned(varlen: bool, headdim: int, max_seqlen_q: int, max_seqlen_k: int) -
 
 
 def _launch_configs(q: torch.Tensor, k: torch.Tensor, varlen: bool, max_seqlen_q: int, max_seqlen_k: int,
-                    window_left: int, window_right: int, dropout_p: float) -> kernel_config.KernelConfigs:
-    """config.py's launch settings for one call, forward or backward: the same inputs pick the same settings."""
+                    window_left: int, window_right: int, dropout_p: float,
+                    opts: kernel_options.KernelOptions) -> kernel_config.KernelConfigs:
+    """config.py's launch settings for one call, forward or backward (the same inputs pick the same settings), with
+    the KernelConfigs fields that `opts` sets on top."""
     headdim = q.shape[-1]
     long_from = kernel_config.LONG_KEYS_DROPOUT if dropout_p > 0 else kernel_config.LONG_KEYS
     long_keys = _mean_keys_seen(max_seqlen_q, max_seqlen_k, window_left, window_right) >= long_from
     return kernel_config.configs_for(headdim, q.is_cuda, window_left >= 0 or window_right >= 0, dropout_p > 0,
                                      _aligned(varlen, headdim, max_seqlen_q, max_seqlen_k),
-                                     max_seqlen_q <= kernel_config.SHORT, q.shape[-2] != k.shape[-2], long_keys)
+                                     max_seqlen_q <= kernel_config.SHORT, q.shape[-2] != k.shape[-2], long_keys,
+                                     fields=opts.config_fields)
 
 
 def _mean_keys_seen(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int) -> float:
@@ -295,13 +299,14 @@ def attn_fwd_impl(
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p)
+    opts = kernel_options.current()  # read once: every launch of the call takes the same
+    cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p, opts)
     if cfgs.gluon_fwd and sm90_fwd is not None and sm90_fwd.supported(  # the Gluon kernel where it applies
             q, k, v, varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
             window_right=window_right, softcap=softcap, dropout_p=dropout_p):
         sm90_fwd.attn_fwd(q, k, v, out, lse, _scales(softmax_scale, softcap)[0], causal=window_right == 0,
                             alibi_slopes=alibi_slopes, fold=cfgs.fold_scale, seed_offset=seed_offset,
-                            dropout_p=dropout_p)
+                            dropout_p=dropout_p, options=opts)
         return out, lse
     cfg = cfgs.fwd
     tma = cfg.tma and tma_usable(headdim, q, k, v, out)
@@ -309,7 +314,7 @@ def attn_fwd_impl(
         _ensure_allocator()
     qk_scale, cap_log2 = _scales(softmax_scale, softcap)
     grid, blocks, blocks_fastest = _launch_grid(nheads, cfg.block_m, cfg.blocks_fastest, cu_seqlens_q, q.shape[0],
-                                                batch, max_seqlen_q, heaviest_first=True)
+                                                batch, max_seqlen_q, heaviest_first=True, opts=opts)
     attn_fwd_kernel[grid](
         q, k, v, out, lse, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes,
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen), *_seq_strides(out, varlen),
@@ -319,7 +324,7 @@ def attn_fwd_impl(
         HEADDIM=headdim, BLOCK_D=triton.next_power_of_2(headdim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **_common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype, alibi_slopes),
         TMA=tma, BLOCKS_FASTEST=blocks_fastest,
-        HEAD_GROUP=_head_group(cfg, varlen, window_left, window_right, max_seqlen_q, q.device),
+        HEAD_GROUP=_head_group(cfg, varlen, window_left, window_right, max_seqlen_q, q.device, opts),
         EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, cfg.block_n),
         EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim),
         FOLD=cfgs.fold_scale,
@@ -377,7 +382,8 @@ def attn_bwd_impl(
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p)
+    opts = kernel_options.current()  # read once: every launch of the call takes the same
+    cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p, opts)
     qk_scale, cap_log2 = _scales(softmax_scale, softcap)
     flags = _common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype, alibi_slopes)
     block_d = triton.next_power_of_2(headdim)
@@ -410,14 +416,15 @@ def attn_bwd_impl(
         if gluon_dkdv and (not atomic_dq or fuses_dq):
             sm90_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal,
                                       alibi_slopes, dq_accum=dq_accum if atomic_dq else None,
-                                      seed_offset=seed_offset, dropout_p=dropout_p)
+                                      seed_offset=seed_offset, dropout_p=dropout_p, options=opts)
         else:
             c = cfgs.bwd_dkdv
             tma_dkdv = c.tma and tma_usable(headdim, q, k, v, dout, dq_accum, dk, dv)
             if tma_dkdv:
                 _ensure_allocator()
             grid, blocks, blocks_fastest = _launch_grid(nheads_k, c.block_n, c.blocks_fastest, cu_seqlens_k,
-                                                        k.shape[0], batch, max_seqlen_k, heaviest_first=False)
+                                                        k.shape[0], batch, max_seqlen_k, heaviest_first=False,
+                                                        opts=opts)
             attn_bwd_dkdv_kernel[grid](
                 q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks,
                 alibi_slopes,
@@ -428,7 +435,8 @@ def attn_bwd_impl(
                 qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
                 HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq,
                 TMA=tma_dkdv, BLOCKS_FASTEST=blocks_fastest,
-                HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_k, q.device, by_keys=True),
+                HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_k, q.device, opts,
+                                       by_keys=True),
                 EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_q, c.block_m),
                 EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim), DP_FIRST=c.dp_first, **flags,
                 num_warps=c.num_warps, num_stages=c.num_stages,
@@ -442,14 +450,15 @@ def attn_bwd_impl(
         elif cfgs.gluon_dq and sm90_dq is not None and sm90_dq.supported(q, k, v, dout, **gluon_scope):
             sm90_dq.attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale, softmax_scale, causal,
                                   seed_offset=seed_offset, dropout_p=dropout_p, alibi_slopes=alibi_slopes,
-                                  beside_dkdv=concurrent)
+                                  beside_dkdv=concurrent, options=opts)
         else:
             c = cfgs.bwd_dq
             tma_dq = c.tma and tma_usable(headdim, k, v)  # not atomic_dq: that branch is taken above
             if tma_dq:
                 _ensure_allocator()
             grid, blocks, blocks_fastest = _launch_grid(nheads, c.block_m, c.blocks_fastest, cu_seqlens_q,
-                                                        q.shape[0], batch, max_seqlen_q, heaviest_first=True)
+                                                        q.shape[0], batch, max_seqlen_q, heaviest_first=True,
+                                                        opts=opts)
             attn_bwd_dq_kernel[grid](
                 q, k, v, dout, lse, delta, dq, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes,
                 *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
@@ -459,7 +468,7 @@ def attn_bwd_impl(
                 qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
                 HEADDIM=headdim, BLOCK_D=block_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, TMA=tma_dq,
                 BLOCKS_FASTEST=blocks_fastest,
-                HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_q, q.device),
+                HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_q, q.device, opts),
                 EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, c.block_n),
                 EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim),
                 **flags,

@@ -19,6 +19,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
+from flashpatch.kernels import options  # noqa: E402
 from flashpatch.kernels.sm90 import dkdv as hk  # noqa: E402
 from flashpatch.kernels.sm90 import dq as hq  # noqa: E402
 from flashpatch.kernels.sm90 import fwd as hf  # noqa: E402
@@ -79,7 +80,7 @@ def main():
                       CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs, LAZY_PV=hf.LAZY_PV)
         if not args.dropout:
             consts.update(SEED_OFFSET=None)  # the launcher's None without dropout
-        if not (args.persistent and args.causal and hf.CAUSAL_SCHEDULE):
+        if not (args.persistent and args.causal and options.DEFAULT.causal_schedule):
             consts.update(SCHEDULE=None)  # the launcher's None but for a persistent causal grid's table
     consts.update(ALIBI=args.alibi)
     if args.kernel == "dkdv":

@@ -1,31 +1,19 @@
-"""The Gluon Hopper kernels (flashpatch/kernels/hopper_{fwd,dkdv,dq}.py) against the Triton ones: outputs, LSE and
-gradients against the float64 reference, then GPU kernel time (torch profiler) per variant. GPU only (sm_90).
+"""The Gluon Hopper kernels (flashpatch/kernels/sm90/) against the Triton ones: outputs, LSE and gradients against the
+float64 reference, then GPU kernel time (torch profiler) per variant. GPU only (sm_90).
 
-    python scripts/gluon_check.py [--skip-check] [--shapes 1b,c8k,f8k] [--variants "triton,gluon+fwd+dq"]
+    python tools/gluon_check.py [--skip-check] [--shapes 1b,c8k,f8k] [--variants "triton,gluon+fwd+dq"]
 
-A variant is a VARIANTS entry (Gluon dK/dV or not, its stages, its grid order) plus "+fwd" (the Gluon forward,
-its grid form as config.persistent_grid chooses), "+pfwd" / "+npfwd" (the Gluon forward as a persistent grid or as
-one program per query block, hopper_fwd.PERSISTENT), "+snake" (a persistent causal forward's blocks by the closed
-form, not schedule.causal_schedule's table: hopper_fwd.CAUSAL_SCHEDULE), "+eager_pv" (the persistent forward's
-one-step loop, each P V waited for in its own step: hopper_fwd.LAZY_PV off), "+dq" / "+dq128" (the Gluon dQ, 64- or
-128-key steps), "+pdq" / "+npdq" (the Gluon dQ's grid forced, hopper_dq.PERSISTENT), "+m128" (the d64 Gluon dK/dV
-with 128-query steps), "+gN" (every kernel's grid in head groups of N, config.head_group; g0: all heads in one
-group; a persistent grid orders causal blocks its own way), and round 28's register operands and folded scale:
-"+fold" / "+nofold" (config.KernelConfigs.fold_scale), "+rkv" / "+norkv" (hopper_dkdv.REGISTER_KV forced on or
-off), "+wrN" (the dK/dV worker consumer's setmaxnreg count, hopper_dkdv.CONSUMER_REGISTERS, e.g. "+wr240"),
-"+c3" / "+c2" (the d64 Gluon forward with three or two consumer warpgroups,
-hopper_fwd.CONSUMERS_BY_HEADDIM), "+serial" (dQ after dK/dV, not beside it: each kernel's own time), "+gdq" (the
-Gluon dQ under the "default" base) and "+fdq" / "+nofdq" (dQ added by the d128 Gluon dK/dV itself or by the separate
-pass, config.KernelConfigs.fused_dq; its backward column counts the fp32 buffer's zeroing and conversion), "+sepdq"
-(the separate dQ pass where config takes atomic dQ: dropout without GQA) and "+nophilox" (a probe: the d128 dK/dV's
-dropout drawers write all-kept words without drawing, hopper_dkdv.DRAWER_PHILOX; NOTES.md v51). Its
-measured losers, removed since: "+rq" (the forward's Q, and "+rqdo" the dQ kernel's Q and dO, held in registers as
-matmul operands), "+rk" (K alone), "+c3dk" and "+c3dq" (three consumer warpgroups in the d64 dK/dV and dQ: NOTES.md
-v37, v38), "+ahN" (the dK/dV step's LSE read a step ahead, v45), "+adq" (v46's atomic dQ fused into the d128 Gluon
-dK/dV; v47's fused dQ is "+fdq"). The base "default" runs each kernel that config chooses (no override).
---check-extras applies such extras (e.g. "nofold+norkv") to the float64 check. Round 17's logs also name variants
-since removed: "carry" (dK/dV left in flight into the next step) and "fwdskew" (the forward's intra-warpgroup skew),
-NOTES.md v19.
+A variant is a VARIANTS entry (the Gluon dK/dV or not, the grid order) plus extras, each an options.override
+setting: "+fwd" (the Gluon forward), "+pfwd" / "+npfwd" (that forward as a persistent grid or one program per query
+block: persistent_fwd), "+snake" (a persistent causal forward's blocks by the closed form, not the table:
+causal_schedule=False), "+dq" (the Gluon dQ), "+pdq" / "+npdq" (its grid forced: persistent_dq), "+gN" (every
+kernel's grid in head groups of N: head_group; g0: all heads in one group), "+fold" / "+nofold" (fold_scale),
+"+rkv" / "+norkv" (the dK/dV's K and V in registers or not: register_kv), "+wrN" (the dK/dV worker consumer's
+setmaxnreg count: dkdv_consumer_registers, e.g. "+wr240"), "+serial" (dQ after dK/dV, not beside it: each kernel's
+own time), "+gdq" (the Gluon dQ under the "default" base), "+fdq" / "+nofdq" (dQ added by the d128 Gluon dK/dV itself
+or by the separate pass: fused_dq; the backward column then counts the fp32 buffer's zeroing and conversion) and
+"+sepdq" (the separate dQ pass where config takes atomic dQ: dropout without GQA). The base "default" runs each
+kernel that config chooses. --check-extras applies such extras (e.g. "nofold+norkv") to the float64 check.
 """
 
 import argparse
@@ -38,14 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flashpatch  # noqa: E402
 from flashpatch import reference  # noqa: E402
-from flashpatch.kernels import config as kc  # noqa: E402
+from flashpatch.kernels import options  # noqa: E402
 from flashpatch.kernels.sm90 import dkdv as hk  # noqa: E402
-from flashpatch.kernels.sm90 import dq as hq  # noqa: E402
-from flashpatch.kernels.sm90 import fwd as hf  # noqa: E402
 from profile_kernels import kernel_times  # noqa: E402
 
 CALLS = {"n": 0}
-CONSUMERS_D64 = hf.CONSUMERS_BY_HEADDIM[64]
 _launch = hk.attn_bwd_dkdv
 
 
@@ -82,19 +67,18 @@ SHAPES = {
     "dropf4k": (4, 4096, 4096, 16, 16, 128, False, 0.1),
     "drop2k": (4, 2048, 2048, 16, 4, 128, True, 0.1),  # configs/dropout.yaml's attention
 }
-VARIANTS = {  # name: (Gluon dK/dV (None: config's choice of every kernel), its stages, its grid order)
-    "default": (None, 2, None),
-    "triton": (False, 2, None),
-    "gluon": (True, 2, None),
-    "gluon s3": (True, 3, None),
-    "gluon heads first": (True, 2, 0),
-    "gluon blocks first": (True, 2, 1),
+VARIANTS = {  # name: (Gluon dK/dV (None: config's choice of every kernel), the grid order: options' head_group)
+    "default": (None, None),
+    "triton": (False, None),
+    "gluon": (True, None),
+    "gluon heads first": (True, 0),
+    "gluon blocks first": (True, 1),
 }
 
 
 def grads(q, k, v, dout, causal, gluon, gluon_fwd=False, gluon_dq=False, dropout_p=0.0):
     fields = {} if gluon is None else dict(gluon_dkdv=gluon, gluon_fwd=gluon_fwd, gluon_dq=gluon_dq)
-    with kc.override(**fields):
+    with options.override(**fields):
         out = flashpatch.flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal)
         return torch.autograd.grad(out, (q, k, v), dout)
 
@@ -105,23 +89,23 @@ def numbered_extra(extras, prefix: str):
     return values[0] if values else None
 
 
-def apply_round28_extras(extras) -> dict:
-    """Round 28's kernel flags from a variant's extras (module docstring): sets the module-level ones and returns the
-    KernelConfigs fields for kc.override."""
-    hk.REGISTER_KV = True if "rkv" in extras else False if "norkv" in extras else None
-    hk.CONSUMER_REGISTERS = numbered_extra(extras, "wr")
-    hf.CONSUMERS_BY_HEADDIM[64] = 3 if "c3" in extras else 2 if "c2" in extras else CONSUMERS_D64
-    fields = {"fold_scale": e == "fold" for e in extras if e in ("fold", "nofold")}
-    if "serial" in extras:  # dQ after dK/dV, so each kernel's time is its own
-        fields["concurrent_dq"] = False
-    if "gdq" in extras:  # the Gluon dQ under the "default" base
-        fields["gluon_dq"] = True
+def extras_options(extras) -> dict:
+    """The options.override settings of a variant's extras (module docstring)."""
+    settings = {}
+    for extra, name, value in (("pfwd", "persistent_fwd", True), ("npfwd", "persistent_fwd", False),
+                               ("pdq", "persistent_dq", True), ("npdq", "persistent_dq", False),
+                               ("snake", "causal_schedule", False), ("rkv", "register_kv", True),
+                               ("norkv", "register_kv", False), ("fold", "fold_scale", True),
+                               ("nofold", "fold_scale", False), ("serial", "concurrent_dq", False),
+                               ("gdq", "gluon_dq", True), ("fdq", "fused_dq", True), ("nofdq", "fused_dq", False)):
+        if extra in extras:
+            settings[name] = value
     if "sepdq" in extras:  # the separate dQ pass where config takes atomic dQ (dropout without GQA)
-        fields.update(atomic_dq=False, fused_dq=False)
-    hk.DRAWER_PHILOX = "nophilox" not in extras  # probe: the dK/dV drawers write all-kept words without drawing
-    if "fdq" in extras or "nofdq" in extras:  # dQ inside the d128 Gluon dK/dV (hopper_dkdv.fuses_dq) or not
-        fields["fused_dq"] = "fdq" in extras
-    return fields
+        settings.update(atomic_dq=False, fused_dq=False)
+    for prefix, name in (("wr", "dkdv_consumer_registers"), ("g", "head_group")):
+        if numbered_extra(extras, prefix) is not None:
+            settings[name] = numbered_extra(extras, prefix)
+    return settings
 
 
 def reference_grads(q, k, v, dout, causal, upcast):
@@ -150,22 +134,19 @@ def check():
         q, k, v = make(sq, h).requires_grad_(), make(sk, hk_).requires_grad_(), make(sk, hk_).requires_grad_()
         dout = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
         before = CALLS["n"]
-        hq.PERSISTENT = False
-        g_gluon = grads(q, k, v, dout, causal, True, gluon_dq=True)
+        with options.override(persistent_dq=False):
+            g_gluon = grads(q, k, v, dout, causal, True, gluon_dq=True)
         used = CALLS["n"] > before
-        hq.PERSISTENT = True
-        g_persistent = grads(q, k, v, dout, causal, True, gluon_dq=True)
-        hq.PERSISTENT = None
+        with options.override(persistent_dq=True):
+            g_persistent = grads(q, k, v, dout, causal, True, gluon_dq=True)
         g_triton = grads(q, k, v, dout, causal, False)
         out_ref, lse_ref = reference.attention_reference(q, k, v, causal=causal, upcast=True)
         out_low, _ = reference.attention_reference(q, k, v, causal=causal, upcast=False)
         fwd_used = sq % 128 == 0 and sk % 128 == 0
         for persistent in (False, True):
-            hf.PERSISTENT = persistent
-            with kc.override(gluon_fwd=True):
+            with options.override(gluon_fwd=True, persistent_fwd=persistent):
                 out_g, lse_g = flashpatch.ops.attn_fwd(q.detach(), k.detach(), v.detach(), None, None, sq, sk, None,
                                                        0.0, d ** -0.5, -1, 0 if causal else -1, 0.0)
-            hf.PERSISTENT = None
             e_out = (out_g.double() - out_ref).abs().max().item()
             e_low = (out_low.double() - out_ref).abs().max().item()
             lse_ok = torch.allclose(lse_g.double(), lse_ref.double(), rtol=1e-4, atol=1e-4)
@@ -202,24 +183,16 @@ def timing(shapes, variants):
         dout = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
         flops = 2.5 * 4 * b * h * sq * sk * d / (2 if causal else 1)
         for name in variants:
-            base, *extras = name.split("+")  # +fwd: the Gluon forward; +dq, +dq128: the Gluon dQ
+            base, *extras = name.split("+")  # +fwd: the Gluon forward; +dq: the Gluon dQ
             gluon_fwd = bool({"fwd", "pfwd", "npfwd"} & set(extras))
-            hf.PERSISTENT = True if "pfwd" in extras else False if "npfwd" in extras else None
-            hf.CAUSAL_SCHEDULE = "snake" not in extras
-            hf.LAZY_PV = "eager_pv" not in extras
-            gluon_dq = any(e.startswith(("dq", "pdq", "npdq")) for e in extras)
-            hq.BLOCK_N = 128 if "dq128" in extras else 64
-            hq.PERSISTENT = True if "pdq" in extras else False if "npdq" in extras else None
-            gluon, hk.STAGES, order = VARIANTS[base]
-            fields = apply_round28_extras(extras)
-            hk.BLOCK_M[64] = 128 if "m128" in extras else 64  # +m128: 128-query steps in the d64 Gluon dK/dV
-            group = numbered_extra(extras, "g")
-            kc.HEAD_GROUP_OVERRIDE = order if group is None else group
+            gluon_dq = bool({"dq", "pdq", "npdq"} & set(extras))
+            gluon, order = VARIANTS[base]
+            settings = {"head_group": order, **extras_options(extras)}
 
             def step():
                 grads(q, k, v, dout, causal, gluon, gluon_fwd, gluon_dq, *dropout)
             try:
-                with kc.override(**fields):
+                with options.override(**settings):
                     times = dict(kernel_times(step, iters=20))
             except Exception as err:  # noqa: BLE001 - a variant that does not build is a result
                 print(f"| {shape} | {name} | failed: {type(err).__name__}: {str(err)[:200]} | | |", flush=True)
@@ -239,13 +212,12 @@ def main():
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--shapes", default="1b,c4k,c8k,f4k,f8k,d64c8k")
     parser.add_argument("--variants", default="triton,gluon+fwd+dq")
-    parser.add_argument("--check-extras", default="", help="round 28's flags for the check, e.g. nofold+norkv")
+    parser.add_argument("--check-extras", default="", help="extras for the check, e.g. nofold+norkv")
     parser.add_argument("--check-head-group", type=int, default=None,
                         help="the check's grid order (config.head_group); default: its rule")
     args = parser.parse_args()
     if not args.skip_check:
-        kc.HEAD_GROUP_OVERRIDE = args.check_head_group
-        with kc.override(**apply_round28_extras(args.check_extras.split("+"))):
+        with options.override(head_group=args.check_head_group, **extras_options(args.check_extras.split("+"))):
             check()
     timing(args.shapes.split(","), args.variants.split(","))
 

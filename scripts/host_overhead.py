@@ -3,7 +3,7 @@ each piece, measured with perf_counter over many calls while the GPU has work qu
 
     python scripts/host_overhead.py [--shape 1b] [--launch-profile]
 
---launch-profile: cProfile of one Gluon launch (hopper_fwd.attn_fwd), the Python functions with the most own time.
+--launch-profile: cProfile of one Gluon launch (sm90_fwd.attn_fwd), the Python functions with the most own time.
 """
 
 import argparse
@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flashpatch  # noqa: E402
 from flashpatch import autograd as fp_autograd, ops, validation  # noqa: E402
 from flashpatch.autograd import FlashAttnFunction  # noqa: E402
-from flashpatch.kernels.sm90 import common as hopper_common, dkdv as hopper_dkdv, dq as hopper_dq, fwd as hopper_fwd  # noqa: E402
+from flashpatch.kernels.sm90 import common as sm90_common  # noqa: E402
+from flashpatch.kernels.sm90 import dkdv as sm90_dkdv, dq as sm90_dq, fwd as sm90_fwd  # noqa: E402
 from gluon_check import SHAPES  # noqa: E402
 
 
@@ -84,10 +85,10 @@ def inside_autograd(q, k, v, dout, causal, iters=200):
 
     timed = Timed()
     originals = [(ops, "attn_bwd_preprocess_kernel"), (ops, "_launch_configs"), (ops, "tma_usable"),
-                 (hopper_dkdv, "attn_bwd_dkdv"), (hopper_dq, "attn_bwd_dq"), (hopper_dkdv, "supported"),
-                 (hopper_dq, "supported"), (kc, "head_group"), (ops, "attn_bwd_dkdv_kernel"),
-                 (ops, "attn_bwd_dq_kernel"), (hopper_dkdv, "attn_bwd_dkdv_hopper_kernel"),
-                 (hopper_dq, "attn_bwd_dq_hopper_kernel"), (hopper_dkdv, "descriptor"), (hopper_dq, "descriptor")]
+                 (sm90_dkdv, "attn_bwd_dkdv"), (sm90_dq, "attn_bwd_dq"), (sm90_dkdv, "supported"),
+                 (sm90_dq, "supported"), (kc, "head_group"), (ops, "attn_bwd_dkdv_kernel"),
+                 (ops, "attn_bwd_dq_kernel"), (sm90_dkdv, "attn_bwd_dkdv_hopper_kernel"),
+                 (sm90_dq, "attn_bwd_dq_hopper_kernel"), (sm90_dkdv, "descriptor"), (sm90_dq, "descriptor")]
     saved = [(m, n, timed.wrap(m, n)) for m, n in originals]
     backward = fp_autograd.FlashAttnFunction.backward
     fp_autograd.FlashAttnFunction.backward = staticmethod(
@@ -156,7 +157,7 @@ def main():
             qk, kk, vk, is_causal=causal, enable_gqa=h != hk).backward(dout.transpose(1, 2))),
         ("ops.attn_fwd (the custom op)", lambda: ops.attn_fwd(qd, kd, vd, None, None, sq, sk, None, 0.0, d ** -0.5,
                                                               -1, 0 if causal else -1, 0.0)),
-        ("hopper_fwd.attn_fwd (descriptors + launch)", lambda: hopper_fwd.attn_fwd(qd, kd, vd, out, lse, 0.1,
+        ("sm90_fwd.attn_fwd (descriptors + launch)", lambda: sm90_fwd.attn_fwd(qd, kd, vd, out, lse, 0.1,
                                                                                    causal)),
         ("ops.attn_fwd's own function (no custom-op dispatch)", lambda: ops.attn_fwd_impl(
             qd, kd, vd, None, None, sq, sk, None, 0.0, d ** -0.5, -1, 0 if causal else -1, 0.0)),
@@ -165,12 +166,12 @@ def main():
         ("ops.attn_bwd in a fresh thread (as autograd's engine runs it)", lambda: in_thread(
             lambda: ops.attn_bwd(*bwd_args))),
         ("an empty fresh thread", lambda: in_thread(lambda: None)),
-        ("hopper_dkdv.attn_bwd_dkdv", lambda: hopper_dkdv.attn_bwd_dkdv(qd, kd, vd, dout, lse_, delta, dk, dv, 0.1,
+        ("sm90_dkdv.attn_bwd_dkdv", lambda: sm90_dkdv.attn_bwd_dkdv(qd, kd, vd, dout, lse_, delta, dk, dv, 0.1,
                                                                          0.1, causal)),
-        ("hopper_dq.attn_bwd_dq", lambda: hopper_dq.attn_bwd_dq(qd, kd, vd, dout, lse_, delta, dq, 0.1, 0.1,
+        ("sm90_dq.attn_bwd_dq", lambda: sm90_dq.attn_bwd_dq(qd, kd, vd, dout, lse_, delta, dq, 0.1, 0.1,
                                                                  causal)),
-        ("hopper_fwd.supported", lambda: hopper_fwd.supported(qd, kd, vd, **scope)),
-        ("hopper_common.descriptor, one", lambda: hopper_common.descriptor(qd, 128)),
+        ("sm90_fwd.supported", lambda: sm90_fwd.supported(qd, kd, vd, **scope)),
+        ("sm90_common.descriptor, one", lambda: sm90_common.descriptor(qd, 128)),
         ("torch.cuda.get_device_capability", lambda: torch.cuda.get_device_capability(qd.device)),
         ("torch.empty_like", lambda: torch.empty_like(qd)),
     ]
@@ -183,7 +184,7 @@ def main():
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(200):
-            hopper_fwd.attn_fwd(qd, kd, vd, out, lse, 0.1, causal)
+            sm90_fwd.attn_fwd(qd, kd, vd, out, lse, 0.1, causal)
         profiler.disable()
         torch.cuda.synchronize()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)

@@ -21,6 +21,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flashpatch  # noqa: E402
 from flashpatch.kernels import config as kc  # noqa: E402
+from flashpatch.kernels import options  # noqa: E402
 from flashpatch.kernels.config import LaunchConfig as L  # noqa: E402
 
 # Round 14 (--headdim 128; at issue 7's lengths and at the 1B training recipe's shape: --heads 16 --kv-heads 4
@@ -168,7 +169,7 @@ def main():
                     if not re.search(args.match, name):
                         continue
                     fields = make_fields(base)
-                    with kc.override(**fields):
+                    with options.override(**fields):
                         ms = bench(attend)
                         err = float("nan")
                         if ms == ms:
@@ -183,7 +184,7 @@ def main():
                     if not re.search(args.match, name):
                         continue
                     fields = make_fields(base)
-                    with kc.override(**fields):
+                    with options.override(**fields):
                         ms = bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
                         err = float("nan")
                         if ms == ms:

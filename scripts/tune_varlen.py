@@ -22,6 +22,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "recipes"), str(ROOT / "scripts")]  # runn
 import flashpatch  # noqa: E402
 from bench_attention import varlen_batch, varlen_lengths  # noqa: E402
 from flashpatch.kernels import config as kc  # noqa: E402
+from flashpatch.kernels import options  # noqa: E402
 from profile_kernels import kernel_times, times_by_kind  # noqa: E402
 
 # Each entry: (name, function of the current KernelConfigs giving the fields to override).
@@ -72,7 +73,7 @@ def main():
     for name, make_fields in VARIANTS:
         if not re.search(args.match, name) and not name.startswith("current"):
             continue
-        with kc.override(**make_fields(current)):
+        with options.override(**make_fields(current)):
             fwd_ms = triton.testing.do_bench(attend, return_mode="median")
             out = attend()
             bwd_ms = triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),

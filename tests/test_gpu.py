@@ -9,6 +9,7 @@ import torch
 
 import flashpatch
 from flashpatch.kernels import config as kernel_config
+from flashpatch.kernels import options as kernel_options
 from flashpatch.kernels import sm90
 from flashpatch.kernels.sm90 import dkdv as sm90_dkdv, dq as sm90_dq, fwd as sm90_fwd
 from flashpatch.padding import cu_seqlens_from_lengths
@@ -96,7 +97,7 @@ def test_alibi_matches_float64(case, dtype):
 @pytest.mark.parametrize("atomic_dq", [False, True])
 def test_dq_strategies_bf16(atomic_dq):
     q, k, v = random_qkv(2, 1024, 1024, 8, 2, 128, torch.bfloat16, device="cuda")
-    with kernel_config.override(atomic_dq=atomic_dq):
+    with kernel_options.override(atomic_dq=atomic_dq):
         out = flashpatch.flash_attn_func(q, k, v, causal=True)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -114,7 +115,7 @@ def test_tma_tiles_in_every_kernel_bf16(atomic_dq, causal):
     tma = {name: replace(getattr(base, name), tma=True) for name in ("fwd", "bwd_dkdv", "bwd_dq")}
     q, k, v = random_qkv(2, 1000, 1000, 8, 2, 128, torch.bfloat16, device="cuda")
     assert flashpatch.ops.tma_usable(128, q, k, v)
-    with kernel_config.override(atomic_dq=atomic_dq, **tma):
+    with kernel_options.override(atomic_dq=atomic_dq, **tma):
         out = flashpatch.flash_attn_func(q, k, v, causal=causal)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -177,10 +178,8 @@ def test_gluon_grid_forms_match_float64_bf16(case, persistent, scheduled, monkey
     # per query block. GQA causal, rows that see no key, d64 unmasked, and 320 blocks (more than an H100's 132 SMs:
     # three rounds, the last one partial); a persistent causal forward takes its blocks from schedule.causal_schedule's
     # table (in head groups of 4 in the 320-block case, the last group of 2) or from the closed form
-    monkeypatch.setattr(sm90_fwd, "PERSISTENT", persistent)
-    monkeypatch.setattr(sm90_fwd, "CAUSAL_SCHEDULE", scheduled)
-    monkeypatch.setattr(sm90_dq, "PERSISTENT", persistent)
-    _check_gluon_case(case, torch.bfloat16, monkeypatch)
+    _check_gluon_case(case, torch.bfloat16, monkeypatch, persistent_fwd=persistent, causal_schedule=scheduled,
+                      persistent_dq=persistent)
 
 
 @needs_gluon
@@ -196,7 +195,7 @@ def test_gluon_forward_pipelined_pv_is_bit_identical(case, dtype, monkeypatch):
     slopes = _geometric_slopes(batch, nheads) if alibi and alibi[0] else None
     monkeypatch.setattr(sm90_fwd, "PERSISTENT", True)
     results = {}
-    with kernel_config.override(gluon_fwd=True):
+    with kernel_options.override(gluon_fwd=True):
         for lazy in (False, True):
             monkeypatch.setattr(sm90_fwd, "LAZY_PV", lazy)
             results[lazy] = flashpatch.flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes,
@@ -212,12 +211,10 @@ def test_gluon_forward_in_a_cuda_graph_before_its_schedule_exists(monkeypatch):
     # (schedule.causal_schedule_tensor): it runs the closed form there, whose outputs are the table's, bit for bit
     from flashpatch.kernels.sm90 import schedule
 
-    monkeypatch.setattr(sm90_fwd, "PERSISTENT", True)
     q, k, v = (t.detach() for t in _gluon_qkv(2, 1280, 1280, 5, 5, 128, "bshd", torch.bfloat16))
-    with kernel_config.override(gluon_fwd=True):
-        monkeypatch.setattr(sm90_fwd, "CAUSAL_SCHEDULE", False)
-        flashpatch.flash_attn_func(q, k, v, causal=True)  # compiles the closed form outside the capture
-        monkeypatch.setattr(sm90_fwd, "CAUSAL_SCHEDULE", True)
+    with kernel_options.override(gluon_fwd=True, persistent_fwd=True):
+        with kernel_options.override(causal_schedule=False):
+            flashpatch.flash_attn_func(q, k, v, causal=True)  # compiles the closed form outside the capture
         monkeypatch.setattr(schedule, "_TABLES", {})
         expected = flashpatch.flash_attn_func(q, k, v, causal=True)  # from the table
         monkeypatch.setattr(schedule, "_TABLES", {})
@@ -245,8 +242,9 @@ def _gluon_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, order, dtyp
     return [tensor(n, h).requires_grad_() for n, h in ((seqlen_q, nheads), (seqlen_k, nheads_k), (seqlen_k, nheads_k))]
 
 
-def _check_gluon_case(case, dtype, monkeypatch, make_slopes=None):
-    """A GLUON_CASES case, asserting that all three Gluon kernels ran; make_slopes(batch, nheads) adds ALiBi."""
+def _check_gluon_case(case, dtype, monkeypatch, make_slopes=None, **options):
+    """A GLUON_CASES case, asserting that all three Gluon kernels ran; make_slopes(batch, nheads) adds ALiBi;
+    options: kernel_options.override's."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order = case
     calls = []
     for module, name in ((sm90_fwd, "attn_fwd"), (sm90_dkdv, "attn_bwd_dkdv"), (sm90_dq, "attn_bwd_dq")):
@@ -259,7 +257,7 @@ def _check_gluon_case(case, dtype, monkeypatch, make_slopes=None):
     if make_slopes is not None:
         kwargs["alibi_slopes"] = make_slopes(batch, nheads)
     # the separate dQ pass even where config fuses dQ into dK/dV (long rows; tested on its own below)
-    with kernel_config.override(gluon_fwd=True, gluon_dkdv=True, gluon_dq=True, fused_dq=False):
+    with kernel_options.override(gluon_fwd=True, gluon_dkdv=True, gluon_dq=True, fused_dq=False, **options):
         out = flashpatch.flash_attn_func(q, k, v, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -288,10 +286,9 @@ def test_gluon_dkdv_kv_forms_match_triton_bitwise_bf16(case, register_kv, monkey
     calls = []
     launch = sm90_dkdv.attn_bwd_dkdv
     monkeypatch.setattr(sm90_dkdv, "attn_bwd_dkdv", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
-    monkeypatch.setattr(sm90_dkdv, "REGISTER_KV", register_kv)
     grads = {}
     for gluon in (False, True):
-        with kernel_config.override(gluon_fwd=False, gluon_dkdv=gluon, gluon_dq=False):
+        with kernel_options.override(gluon_fwd=False, gluon_dkdv=gluon, gluon_dq=False, register_kv=register_kv):
             out = flashpatch.flash_attn_func(q, k, v, causal=causal)
             grads[gluon] = torch.autograd.grad(out, (q, k, v), dout)
     assert len(calls) == 1
@@ -331,7 +328,7 @@ def test_gluon_dkdv_fused_dq_matches_float64_bf16(case, monkeypatch):
     if alibi:
         kwargs["alibi_slopes"] = _geometric_slopes(batch, nheads)
     fused = _spy_fused_dq(monkeypatch)
-    with kernel_config.override(fused_dq=True):
+    with kernel_options.override(fused_dq=True):
         out = flashpatch.flash_attn_func(q, k, v, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -379,21 +376,21 @@ def test_gluon_dq_dropout_matches_float64_bf16(case, monkeypatch):
 def test_gluon_dq_grid_forms_dropout_match_float64_bf16(persistent, monkeypatch):
     # a persistent dQ finds each block's dropout counters from its tile, a per-block one from its program; the
     # dropout cases above take config.persistent_grid's form (persistent: at most 8 query blocks)
-    monkeypatch.setattr(sm90_dq, "PERSISTENT", persistent)
-    _check_gluon_dq_dropout((2, 1024, 1024, 8, 2, 128, True, 0.1, False), monkeypatch)
+    _check_gluon_dq_dropout((2, 1024, 1024, 8, 2, 128, True, 0.1, False), monkeypatch, persistent_dq=persistent)
 
 
-def _check_gluon_dq_dropout(case, monkeypatch):
+def _check_gluon_dq_dropout(case, monkeypatch, **options):
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, p, alibi = case
     calls = _check_dropout_launches((batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim), torch.bfloat16, causal, p,
                                     alibi, [(sm90_fwd, "attn_fwd"), (sm90_dq, "attn_bwd_dq")],
-                                    dict(gluon_fwd=True, gluon_dq=True, atomic_dq=False, fused_dq=False), monkeypatch)
+                                    dict(gluon_fwd=True, gluon_dq=True, atomic_dq=False, fused_dq=False, **options),
+                                    monkeypatch)
     # the dQ pass, not the dQ fused into dK/dV that config takes for long rows
     assert calls == ([("attn_fwd", p)] if headdim == 128 else []) + [("attn_bwd_dq", p)]
 
 
 def _check_dropout_launches(shape, dtype, causal, p, alibi, launches, overrides, monkeypatch):
-    """One dropout call under kernel_config.override(**overrides) against float64 with the pattern the separate
+    """One dropout call under kernel_options.override(**overrides) against float64 with the pattern the separate
     dropout_mask kernel writes; returns the (launcher, dropout_p) calls made of `launches` ((module, name) pairs)."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = shape
     calls = []
@@ -406,7 +403,7 @@ def _check_dropout_launches(shape, dtype, causal, p, alibi, launches, overrides,
     kwargs = {"dropout_p": p, "causal": causal}
     if alibi:
         kwargs["alibi_slopes"] = _geometric_slopes(batch, nheads)
-    with kernel_config.override(**overrides):
+    with kernel_options.override(**overrides):
         out, _, pattern = flashpatch.flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -587,7 +584,7 @@ def test_concurrent_dq_matches_serial(case, monkeypatch):
     dout = torch.randn_like(out)
     grads = {}
     for concurrent in (False, True):
-        with kernel_config.override(concurrent_dq=concurrent):
+        with kernel_options.override(concurrent_dq=concurrent):
             grads[concurrent] = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     assert used, "the concurrent backward did not use the side stream"
     for serial, concurrent in zip(grads[False], grads[True]):

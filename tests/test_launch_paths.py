@@ -14,6 +14,8 @@ import torch
 import flashpatch
 from flashpatch import ops
 from flashpatch.kernels import config as kernel_config
+from flashpatch.kernels import options as kernel_options
+from flashpatch.kernels.config import LaunchConfig
 from flashpatch.kernels.sm90 import schedule
 from flashpatch.padding import cu_seqlens_from_lengths
 from flashpatch.reference import varlen_attention_reference
@@ -33,11 +35,10 @@ def tma_capable(monkeypatch):
 
 @pytest.mark.parametrize("blocks_fastest,head_group", [(False, None), (True, None), (True, 3), (True, 0)])
 @pytest.mark.parametrize("kwargs", [{"causal": True}, {"window_size": (9, 3)}, {}], ids=str)
-def test_grid_orders_match_reference(blocks_fastest, head_group, kwargs, monkeypatch):
+def test_grid_orders_match_reference(blocks_fastest, head_group, kwargs):
     # head groups (config.head_group): 3 leaves a partial last group (8 query heads, 4 K/V heads); 0 is one group
-    monkeypatch.setattr(kernel_config, "HEAD_GROUP_OVERRIDE", head_group)
     q, k, v = random_qkv(2, 45, 70, 4, 2, 32, torch.float32)
-    with kernel_config.override(**launches(blocks_fastest, tma=False)):
+    with kernel_options.override(head_group=head_group, **launches(blocks_fastest, tma=False)):
         out = flashpatch.flash_attn_func(q, k, v, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -50,7 +51,7 @@ def test_tma_tiles_match_reference(tma_capable, seqlens, kwargs):
     # rows past the sequence end come from the descriptor's zero fill, not from masks: odd lengths test that
     q, k, v = random_qkv(2, *seqlens, 4, 2, 32, torch.float16)
     assert ops.tma_usable(32, q, k, v)
-    with kernel_config.override(**launches(blocks_fastest=True, tma=True)):
+    with kernel_options.override(**launches(blocks_fastest=True, tma=True)):
         out = flashpatch.flash_attn_func(q, k, v, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -62,7 +63,7 @@ def test_tma_tiles_varlen_match_reference(tma_capable):
     lengths = [23, 1, 40, 9]
     cu = cu_seqlens_from_lengths(torch.tensor(lengths))
     q, k, v = (torch.randn(sum(lengths), h, 32, dtype=torch.float16, requires_grad=True) for h in (4, 2, 2))
-    with kernel_config.override(**launches(blocks_fastest=True, tma=True)):
+    with kernel_options.override(**launches(blocks_fastest=True, tma=True)):
         out = flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -102,7 +103,7 @@ def test_unmasked_tile_loads_match_reference(even_tiles, kwargs):
     # bounds masks (ops._even); 64 queries against 96 keys also puts the causal diagonal off the tile corners
     q, k, v = random_qkv(2, 64, 96, 4, 2, 32, torch.float32)
     assert ops._even(even_tiles, False, 32, 64, 32, 96, 32) == even_tiles
-    with kernel_config.override(even_tiles=even_tiles):
+    with kernel_options.override(even_tiles=even_tiles):
         out = flashpatch.flash_attn_func(q, k, v, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -123,7 +124,7 @@ def dp_first_override(enabled: bool):
 def test_dp_first_dkdv_order_matches_reference(seqlens, kwargs):
     # LaunchConfig.dp_first: the dK/dV kernel computes dPᵀ before the softmax (backward._dkdv_inner)
     q, k, v = random_qkv(2, *seqlens, 4, 2, 32, torch.float32)
-    with kernel_config.override(**dp_first_override(True)):
+    with kernel_options.override(**dp_first_override(True)):
         out = flashpatch.flash_attn_func(q, k, v, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -137,7 +138,7 @@ def test_dp_first_dkdv_order_with_dropout_gives_the_same_gradients():
     grads = []
     for enabled in (False, True):
         torch.manual_seed(0)
-        with kernel_config.override(**dp_first_override(enabled)):
+        with kernel_options.override(**dp_first_override(enabled)):
             out = flashpatch.flash_attn_func(q, k, v, dropout_p=0.3, causal=True)
             grads.append(torch.autograd.grad(out, (q, k, v), dout))
     for plain, reordered in zip(*grads):
@@ -151,9 +152,9 @@ def configs_for_calls(monkeypatch):
     calls = []
     configs_for = kernel_config.configs_for
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         calls.append(args)
-        return configs_for(*args)
+        return configs_for(*args, **kwargs)
 
     monkeypatch.setattr(kernel_config, "configs_for", spy)
     return calls
@@ -357,11 +358,9 @@ def test_causal_grids_end_on_many_heads_light_blocks(monkeypatch):
     assert [kernel_config.head_group(True, n // 128, gpu) for n in (2048, 4096, 8192, 16384, 32768)] == \
         [8, 4, 2, 1, 1]
     assert kernel_config.head_group(True, 32, torch.device("cpu")) == 1  # the interpreter: order is moot
-    monkeypatch.setattr(kernel_config, "HEAD_GROUP_OVERRIDE", 3)
-    assert kernel_config.head_group(False, 32, gpu) == 3
-    monkeypatch.setattr(kernel_config, "HEAD_GROUP_OVERRIDE", -2)
-    with pytest.raises(ValueError, match="-2"):
-        kernel_config.head_group(True, 32, gpu)
+    assert kernel_config.head_group(False, 32, gpu, forced=3) == 3  # options.KernelOptions.head_group
+    with pytest.raises(ValueError, match="-2"), kernel_options.override(head_group=-2):
+        pass
 
 
 def test_gluon_switch_and_triton_release_gate(monkeypatch):
@@ -501,7 +500,7 @@ def test_folded_scale_softmax_matches_reference(fold, seqlens, kwargs):
     # KernelConfigs.fold_scale: the max over the raw scores and exp2(qk * scale - max) must give the same output,
     # LSE (natural log, +inf for rows with no key) and gradients as the scaled-scores form
     q, k, v = random_qkv(2, *seqlens, 4, 2, 40, torch.float16)
-    with kernel_config.override(fold_scale=fold):
+    with kernel_options.override(fold_scale=fold):
         out, lse, _ = flashpatch.flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -509,3 +508,35 @@ def test_folded_scale_softmax_matches_reference(fold, seqlens, kwargs):
     empty = torch.isinf(lse64)
     assert torch.equal(torch.isinf(lse), empty) and (out.transpose(1, 2)[empty] == 0).all()
     torch.testing.assert_close(lse[~empty].double(), lse64[~empty].double(), rtol=1e-3, atol=1e-3)
+
+
+def test_options_override_nests_and_restores():
+    # options.override: KernelOptions fields set as given, KernelConfigs fields gathered into config_fields; a nested
+    # block adds to the outer one, and each block's end brings back the options before it
+    assert kernel_options.current() is kernel_options.DEFAULT
+    with kernel_options.override(persistent_fwd=False, atomic_dq=True) as outer:
+        assert kernel_options.current() is outer
+        assert outer.persistent_fwd is False and dict(outer.config_fields) == {"atomic_dq": True}
+        with kernel_options.override(persistent_fwd=True, fold_scale=False) as inner:
+            assert inner.persistent_fwd is True
+            assert dict(inner.config_fields) == {"atomic_dq": True, "fold_scale": False}
+        assert kernel_options.current() is outer
+    assert kernel_options.current() is kernel_options.DEFAULT
+
+
+def test_options_refuse_unknown_names_and_bad_values():
+    with pytest.raises(TypeError, match="'persistent'"), kernel_options.override(persistent=True):
+        pass
+    with pytest.raises(ValueError, match="got 100"), kernel_options.override(dkdv_consumer_registers=100):
+        pass
+    assert kernel_options.current() is kernel_options.DEFAULT
+
+
+def test_options_config_fields_reach_the_launch_settings():
+    q, k, v = random_qkv(1, 17, 17, 2, 1, 32, torch.float32, requires_grad=False)
+    measured = ops._launch_configs(q, k, False, 17, 17, -1, -1, 0.0, kernel_options.DEFAULT)
+    forced = kernel_options.updated(kernel_options.DEFAULT, atomic_dq=not measured.atomic_dq,
+                                    fwd=LaunchConfig(16, 16))
+    cfgs = ops._launch_configs(q, k, False, 17, 17, -1, -1, 0.0, forced)
+    assert cfgs.atomic_dq != measured.atomic_dq and cfgs.fwd == LaunchConfig(16, 16)
+    assert cfgs.bwd_dq == measured.bwd_dq

@@ -1,15 +1,16 @@
 """Block sizes and launch settings per kernel, head dim and device.
 
-`override(...)` swaps them for a block of code: tests use it to show that results (the dropout mask above all)
-do not depend on the tiling.
+options.override(...) swaps any of them for a block of code (KernelConfigs fields): tests use it to show that results
+(the dropout mask above all) do not depend on the tiling.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 import torch
 import triton
@@ -65,7 +66,6 @@ class KernelConfigs:
     fold_scale: bool = True
 
 
-_OVERRIDE: dict = {}
 ALIGN = 128  # every block size below is a power of two up to this (ops._aligned)
 SHORT = 1024  # query lengths up to this count as short (configs_for's `short`)
 LONG_KEYS = 2048  # a query's mean keys seen from this on count as long (configs_for's `long_keys`)
@@ -74,10 +74,11 @@ LONG_KEYS_DROPOUT = 1024  # the same with dropout (KernelConfigs.fused_dq: measu
 
 def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool = False,
                 aligned: bool = False, short: bool = False, grouped: bool = False,
-                long_keys: bool = False) -> KernelConfigs:
-    """`measured_configs` (cached: it runs twice per call), with `override`'s fields on top."""
+                long_keys: bool = False, fields: Mapping = MappingProxyType({})) -> KernelConfigs:
+    """`measured_configs` (cached: it runs twice per call), with `fields` on top (options.KernelOptions.config_fields:
+    what options.override set)."""
     cfg = measured_configs(headdim, is_cuda, masked, dropout, aligned, short, grouped, long_keys)
-    return replace(cfg, **_OVERRIDE) if _OVERRIDE else cfg
+    return replace(cfg, **fields) if fields else cfg
 
 
 @functools.lru_cache(maxsize=None)
@@ -225,27 +226,7 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
     return cfg
 
 
-@contextlib.contextmanager
-def override(**fields):
-    """with override(fwd=LaunchConfig(16, 64), atomic_dq=True): ...  (fields of KernelConfigs)"""
-    global _OVERRIDE
-    previous = _OVERRIDE
-    _OVERRIDE = {**previous, **fields}
-    try:
-        yield
-    finally:
-        _OVERRIDE = previous
-
-
-# The order of a varlen grid's sequences (ops.varlen_blocks): longest first, or in batch order
-# (scripts/varlen_kernel_times.py --batch-order times the latter).
-VARLEN_LONGEST_FIRST = True
-
-# scripts/gluon_check.py sets this to time other grid orders (`head_group`)
-HEAD_GROUP_OVERRIDE: int | None = None
-
-
-def head_group(causal: bool, num_blocks: int, device: torch.device) -> int:
+def head_group(causal: bool, num_blocks: int, device: torch.device, forced: int | None = None) -> int:
     """HEAD_GROUP, the order of a 1-D grid of num_blocks blocks per head (common.head_and_block: the Triton kernels
     with `blocks_fastest` and the Gluon kernels). Without a mask every block costs the
     same and a head's blocks side by side share its tiles in L2 (1). With a causal mask the blocks cost 1 to
@@ -254,10 +235,8 @@ def head_group(causal: bool, num_blocks: int, device: torch.device) -> int:
     blocks, a grid of a few waves) take all heads in one group. Round 19 (NOTES.md v21, GPU kernel time, H200,
     head-major -> this rule): d128 causal n4096 forward / dK/dV / dQ 0.566 / 1.004 / 0.614 -> 0.540 / 0.969 / 0.580
     ms; GQA 16/4 n2048 0.334 / 0.652 / 0.358 -> 0.320 / 0.548 / 0.336; n16384 (one head per group) unchanged."""
-    if HEAD_GROUP_OVERRIDE is not None:
-        if HEAD_GROUP_OVERRIDE < 0:
-            raise ValueError(f"HEAD_GROUP_OVERRIDE must be >= 0 (0: all heads in one group), got {HEAD_GROUP_OVERRIDE}")
-        return HEAD_GROUP_OVERRIDE
+    if forced is not None:  # options.KernelOptions.head_group
+        return forced
     if not causal or device.type != "cuda":  # the interpreter runs the programs one at a time
         return 1
     return causal_head_group(num_blocks, sm_count(device))

@@ -61,6 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
 from flashpatch.kernels.config import head_group
+from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     TMA_REDUCE, alibi_bias, allocate_keep_ring, carry_addend, carry_shift_in_ptx, descriptor, dropout_seed_offset,
     fp32_descriptor, head_slope_log2, kept_dims, philox_wide, sm90_dense_ok, tma_load, tma_reduce_add,
@@ -79,12 +80,6 @@ PRODUCER_REGISTERS = 24  # the producer warp's setmaxnreg count (its warpgroup's
 MAXNREG_DROPOUT = 128
 DRAWER_REGISTERS = 24
 DRAWER_PHILOX = True  # probe: False makes the drawers write all-kept words without drawing (gluon_check "+nophilox")
-# K and V held in registers as the A operands of K Qᵀ and V dOᵀ (`_consumer`): None follows `register_kv`; True /
-# False force it (scripts/gluon_check.py "+rkv" / "+norkv").
-REGISTER_KV: bool | None = None
-# The dK/dV consumer worker's setmaxnreg count (`consumer_registers`); None follows it, an int forces it
-# (scripts/gluon_check.py "+wrN").
-CONSUMER_REGISTERS: int | None = None
 
 
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -655,12 +650,14 @@ def fuses_dq(headdim: int) -> bool:
 
 
 def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_scale: float, causal: bool,
-                  alibi_slopes=None, dq_accum=None, seed_offset=None, dropout_p: float = 0.0) -> None:
+                  alibi_slopes=None, dq_accum=None, seed_offset=None, dropout_p: float = 0.0,
+                  options: KernelOptions = DEFAULT) -> None:
     """dK, dV (written into dk, dv) for a call `supported` accepted. q, dout: (B, Sq, H, D); k, v: (B, Sk, Hk, D);
     lse, delta: (B, H, Sq) fp32 (natural-log LSE); qk_scale = softmax_scale * log2(e); alibi_slopes: None or
     float32 (H,) / (B, H). dq_accum: None, or a zeroed fp32 (B, Sq, H, D) that dQ is added into (where `fuses_dq`;
     not deterministic: the key blocks' reduce-adds land in any order). dropout_p > 0: the forward's keep bits, drawn
-    from seed_offset (ops.draw_seed_offset's int64 (seed, offset)); head dim 128."""
+    from seed_offset (ops.draw_seed_offset's int64 (seed, offset)); head dim 128. options: its register_kv,
+    dkdv_consumer_registers and head_group."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     fused = dq_accum is not None
@@ -683,6 +680,7 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     lse_desc, delta_desc = vector_descriptor(lse, block_m), vector_descriptor(delta, block_m)
     dq_desc, dq_rows, dq_cols = fp32_descriptor(dq_accum, block_m) if fused else (None, (0, 0), 0)
     grid = (batch * nheads_k * triton.cdiv(seqlen_k, BLOCK_N),)
+    reg_kv, consumer_regs = options.register_kv, options.dkdv_consumer_registers
     attn_bwd_dkdv_hopper_kernel[grid](
         q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, dk, dv, alibi_slopes, seed_offset,
         q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, dq_rows, dq_cols,
@@ -690,9 +688,10 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
         lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
         nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
         CAUSAL=causal, HEADDIM=headdim, BLOCK_M=block_m, HALF_N=HALF_N, STAGES=STAGES,
-        HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_k, BLOCK_N), q.device), ALIBI=alibi_slopes is not None,
-        REG_KV=register_kv(headdim) if REGISTER_KV is None else REGISTER_KV, LSE_FIRST=lse_first(headdim),
-        CONSUMER_REGS=consumer_registers(headdim, dropout) if CONSUMER_REGISTERS is None else CONSUMER_REGISTERS,
+        HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_k, BLOCK_N), q.device, options.head_group),
+        ALIBI=alibi_slopes is not None, REG_KV=register_kv(headdim) if reg_kv is None else reg_kv,
+        LSE_FIRST=lse_first(headdim),
+        CONSUMER_REGS=consumer_registers(headdim, dropout) if consumer_regs is None else consumer_regs,
         PRODUCER_REGS=worker_registers(dropout), FUSED_DQ=fused, DROPOUT=dropout,
         DRAW_PHILOX=DRAWER_PHILOX, num_warps=4, maxnreg=launch_maxnreg(dropout),
     )

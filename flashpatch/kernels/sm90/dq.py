@@ -24,6 +24,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from flashpatch.kernels.config import head_group, persistent_grid, sm_count
+from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     alibi_bias, allocate_kv_ring, allocate_query_barriers, descriptor, dropout_seed_offset, head_slope_log2,
     persistent_rounds, persistent_tile, philox_wide, producer_persistent, query_block_of_tile, query_block_program,
@@ -35,9 +36,6 @@ BLOCK_M = 2 * HALF_M  # queries per program
 BLOCK_N = 64  # keys per step
 STAGES = 2  # K/V ring depth
 MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
-# As hopper_fwd.PERSISTENT: None follows config.persistent_grid; True / False force it (gluon_check's "+pdq" /
-# "+npdq").
-PERSISTENT: bool | None = None
 
 
 
@@ -315,10 +313,12 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
 
 
 def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: float, causal: bool,
-                seed_offset=None, dropout_p: float = 0.0, alibi_slopes=None, beside_dkdv: bool = False) -> None:
+                seed_offset=None, dropout_p: float = 0.0, alibi_slopes=None, beside_dkdv: bool = False,
+                options: KernelOptions = DEFAULT) -> None:
     """dQ (written into dq, (B, Sq, H, D)) for a call `supported` accepted; lse, delta: (B, H, Sq) fp32;
     seed_offset: the forward's (2,) int64 (ops.draw_seed_offset) when dropout_p > 0; alibi_slopes: None or float32
-    (H,) / (B, H); beside_dkdv: the dK/dV kernel runs at the same time on another stream (config.persistent_grid)."""
+    (H,) / (B, H); beside_dkdv: the dK/dV kernel runs at the same time on another stream (config.persistent_grid);
+    options: its persistent_dq and head_group."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     q_desc, q_rows, q_cols = descriptor(q, BLOCK_M)
@@ -327,8 +327,10 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
     v_desc, v_rows, v_cols = descriptor(v, BLOCK_N)
     num_tiles = batch * nheads * triton.cdiv(seqlen_q, BLOCK_M)
     num_m = triton.cdiv(seqlen_q, BLOCK_M)
-    order = head_group(causal, num_m, q.device)
-    persistent = persistent_grid("dq", num_m, headdim, beside_dkdv) if PERSISTENT is None else PERSISTENT
+    order = head_group(causal, num_m, q.device, options.head_group)
+    persistent = options.persistent_dq
+    if persistent is None:
+        persistent = persistent_grid("dq", num_m, headdim, beside_dkdv)
     if persistent:  # as hopper_fwd.attn_fwd's
         grid = (min(num_tiles, sm_count(q.device)),)
         order = 0 if causal else order

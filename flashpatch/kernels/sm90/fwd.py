@@ -44,6 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from flashpatch.kernels.config import head_group, persistent_grid, sm_count
+from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     allocate_keep_ring, allocate_kv_ring, allocate_query_barriers, alibi_bias, carry_addend, carry_shift_in_ptx,
     descriptor, dropout_seed_offset, head_slope_log2, kept_dims, persistent_rounds, persistent_tile, philox_wide,
@@ -62,14 +63,6 @@ BLOCK_N = 128  # keys per step
 STAGES = 2  # K/V ring depth
 MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
 MAXNREG_3 = 128  # three consumers: 13 warps, launched as 16 (a multiple of 4): 16 x 32 x 128 = 64K
-# The persistent grid (module docstring): None follows config.persistent_grid; True / False force it (the
-# "+pfwd" / "+npfwd" variants of scripts/gluon_check.py, the GPU tests of both forms).
-PERSISTENT: bool | None = None
-# The persistent causal grid's tiles: config.head_group's order dealt out by schedule.causal_schedule (its table), or
-# with False persistent_tile's closed form over all heads block-major (the "+snake" variant of scripts/gluon_check.py).
-# Measured (NOTES.md v56, H100, scripts/fwd_order_bench.py, closed form -> table): causal n4096 / 8192 / 16384
-# 488 / 530 / 576 -> 555 / 591 / 592 TFLOP/s (n4096: 1.15 -> 0.20 GB read from HBM); GQA n2048 and the 1B shape tie.
-CAUSAL_SCHEDULE = True
 # The persistent forward's loop pipelined by one matmul (`_fwd_block_lazy`: each step issues the previous block's P V
 # and its own S together), or with False `_fwd_block`'s step (the "+eager_pv" variant of scripts/gluon_check.py).
 # Bit-identical; measured (NOTES.md v57, H100, forward GPU time, median of five interleaved runs, us): unmasked n4096
@@ -587,12 +580,13 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool
 
 
 def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None, fold: bool = False,
-             seed_offset=None, dropout_p: float = 0.0) -> None:
+             seed_offset=None, dropout_p: float = 0.0, options: KernelOptions = DEFAULT) -> None:
     """out (B, Sq, H, D) and lse (B, H, Sq, float32, natural log) for a call `supported` accepted; q: (B, Sq, H, D),
     k, v: (B, Sk, Hk, D); qk_scale = softmax_scale * log2(e); alibi_slopes: None or float32 (H,) / (B, H); fold:
     config.KernelConfigs.fold_scale (`_softmax_update`, which ignores it with ALiBi). dropout_p > 0: head dim 128,
     the keep bits drawn from seed_offset (ops.draw_seed_offset's int64 (seed, offset)) at common.dropout_keep's
-    counters, on the grid of one program per query block (the persistent one has no drawers)."""
+    counters, on the grid of one program per query block (the persistent one has no drawers). options: its
+    persistent_fwd, causal_schedule and head_group."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     dropout = dropout_p > 0
@@ -601,10 +595,10 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
                          f"{headdim} with seed_offset={seed_offset!r}")
     if dropout:
         persistent = False
-    elif PERSISTENT is None:
+    elif options.persistent_fwd is None:
         persistent = persistent_grid("fwd", triton.cdiv(seqlen_q, BLOCK_M), headdim)
     else:
-        persistent = PERSISTENT
+        persistent = options.persistent_fwd
     consumers = 2 if persistent else CONSUMERS_BY_HEADDIM[headdim]
     block_m = consumers * HALF_M  # three consumers: the last block may run past seqlen_q (masked stores)
     q_desc, q_rows, q_cols = descriptor(q, BLOCK_M if consumers == 2 else HALF_M)  # the kernel's Q_TILES
@@ -612,14 +606,14 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     v_desc, v_rows, v_cols = descriptor(v, BLOCK_N)
     num_m = triton.cdiv(seqlen_q, block_m)
     num_tiles = batch * nheads * num_m
-    order = head_group(causal, num_m, q.device)
+    order = head_group(causal, num_m, q.device, options.head_group)
     schedule, schedule_rounds = None, 0
     if persistent:
         # one program per SM; a causal grid in head groups dealt out by schedule.causal_schedule, or (without
-        # CAUSAL_SCHEDULE, or in a CUDA graph capture that finds no table built) all heads block-major, heaviest
+        # options.causal_schedule, or in a CUDA graph capture that finds no table built) all heads block-major, heaviest
         # first, which persistent_tile's alternating rounds balance
         grid = (min(num_tiles, sm_count(q.device)),)
-        if causal and CAUSAL_SCHEDULE:
+        if causal and options.causal_schedule:
             schedule, schedule_rounds = causal_schedule_tensor(batch * nheads, seqlen_q, seqlen_k, block_m, BLOCK_N,
                                                                order, grid[0], q.device)
         if causal and schedule is None:
