@@ -68,23 +68,20 @@ def main():
     else:
         fn, maxnreg = hf.attn_fwd_hopper_kernel, hf.MAXNREG
         consumers = args.consumers or (2 if args.persistent else hf.CONSUMERS_BY_HEADDIM[d])
-        drawer_warps = int(dict(item.split("=") for item in args.set).get("DRAWER_WARPS", hf.DRAWER_WARPS))
-        maxnreg, consumer_regs, worker_regs = hf.dropout_registers(drawer_warps)
+        maxnreg, consumer_regs, worker_regs = hf.dropout_registers()
         if not args.dropout:
             maxnreg, consumer_regs, worker_regs = (hf.MAXNREG if consumers == 2 else hf.MAXNREG_3), 0, 0
         descs = {"q_desc": desc(hf.BLOCK_M if consumers == 2 else hf.HALF_M), "k_desc": desc(hf.BLOCK_N),
                  "v_desc": desc(hf.BLOCK_N)}
         consts = dict(CAUSAL=args.causal, HEADDIM=d, HALF_M=hf.HALF_M, BLOCK_N=hf.BLOCK_N,
                       STAGES=args.stages or hf.STAGES, HEAD_GROUP=args.head_group, PERSISTENT=args.persistent,
-                      CONSUMERS=consumers, DROPOUT=args.dropout, DRAWER_WARPS=drawer_warps,
-                      CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs, LAZY_PV=hf.LAZY_PV)
+                      CONSUMERS=consumers, DROPOUT=args.dropout, DRAWER_WARPS=hf.DRAWER_WARPS,
+                      CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs)
         if not args.dropout:
             consts.update(SEED_OFFSET=None)  # the launcher's None without dropout
         if not (args.persistent and args.causal and options.DEFAULT.causal_schedule):
             consts.update(SCHEDULE=None)  # the launcher's None but for a persistent causal grid's table
     consts.update(ALIBI=args.alibi)
-    if args.kernel == "dkdv":
-        consts.update(DRAW_PHILOX=True)
     flags = dict(item.split("=") for item in args.set)
     consts.update({name: bool(int(flags.pop(name, consts.get(name, 0)))) for name in fn.arg_names
                    if name.startswith(("REG_", "FOLD", "LSE_FIRST"))})

@@ -186,20 +186,20 @@ def test_gluon_grid_forms_match_float64_bf16(case, persistent, scheduled, monkey
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", [GLUON_CASES[i] for i in (0, 1, 2, 3, 7)] + [GLUON_CASES[1][:-1] + ("bshd", True)],
                          ids=_gluon_id)
-def test_gluon_forward_pipelined_pv_is_bit_identical(case, dtype, monkeypatch):
-    # The persistent forward's pipelined loop (sm90_fwd.LAZY_PV: block i - 1's P V issued with block i's S) does
-    # the same arithmetic in the same order as the one-step loop: outputs and LSE equal bit for bit. GQA causal,
-    # Sq < Sk and Sq > Sk (rows that see no key), unmasked (B, H, S, D) memory, 320 blocks, ALiBi
+def test_gluon_forward_pipelined_pv_is_bit_identical(case, dtype):
+    # The persistent forward's consumers are pipelined by one matmul (sm90.fwd._fwd_block_pipelined: block i - 1's
+    # P V issued with block i's S), the per-block program's are not (_fwd_block); at head dim 128 both run two
+    # consumer warpgroups of 64 queries and the same arithmetic in the same order: outputs and LSE equal bit for bit.
+    # GQA causal, Sq < Sk and Sq > Sk (rows that see no key), unmasked (B, H, S, D) memory, 320 blocks, ALiBi
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order, *alibi = case
+    assert headdim == 128  # at 64 the per-block program runs three consumers
     q, k, v = (t.detach() for t in _gluon_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, order, dtype))
     slopes = _geometric_slopes(batch, nheads) if alibi and alibi[0] else None
-    monkeypatch.setattr(sm90_fwd, "PERSISTENT", True)
     results = {}
-    with kernel_options.override(gluon_fwd=True):
-        for lazy in (False, True):
-            monkeypatch.setattr(sm90_fwd, "LAZY_PV", lazy)
-            results[lazy] = flashpatch.flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes,
-                                                       return_attn_probs=True)[:2]
+    for persistent in (False, True):
+        with kernel_options.override(gluon_fwd=True, persistent_fwd=persistent):
+            results[persistent] = flashpatch.flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes,
+                                                             return_attn_probs=True)[:2]
     (out0, lse0), (out1, lse1) = results[False], results[True]
     assert not torch.isnan(out1).any()
     assert torch.equal(out0, out1) and torch.equal(lse0, lse1)

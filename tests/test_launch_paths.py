@@ -240,22 +240,19 @@ def test_gluon_forward_refuses_dropout_it_cannot_draw(headdim, with_seed):
                             dropout_p=0.1)
 
 
-@pytest.mark.parametrize("drawer_warps", [2, 4])
-def test_gluon_forward_dropout_register_split_is_one_setmaxnreg_can_take(drawer_warps):
-    # the dropout forward launches its 9 + 2 drawer_warps warps as whole warpgroups (16 or 20) at `maxnreg` registers;
+def test_gluon_forward_dropout_register_split_is_one_setmaxnreg_can_take():
+    # the dropout forward launches its 9 + 2 DRAWER_WARPS warps as whole warpgroups (20) at `maxnreg` registers;
     # warp_specialize hands the worker consumer, the producer's and the drawers' warpgroups their setmaxnreg counts
     # and the default partition's consumer the rest of the pool, which must match the worker consumer's. setmaxnreg
     # takes multiples of 8 in [24, 256]: a count outside that fails only at a GPU launch.
     from flashpatch.kernels.sm90 import fwd as sm90_fwd
 
-    maxnreg, consumer, worker = sm90_fwd.dropout_registers(drawer_warps)
-    groups = {2: 4, 4: 5}[drawer_warps]  # 8 consumer warps, the producer's and 2 x drawer_warps, in fours
+    maxnreg, consumer, worker = sm90_fwd.dropout_registers()
+    groups = -(-(9 + 2 * sm90_fwd.DRAWER_WARPS) // 4)  # 8 consumer warps, the producer's and the drawers', in fours
     for count in (consumer, worker):
-        assert 24 <= count <= 256 and count % 8 == 0, (drawer_warps, consumer, worker)
+        assert 24 <= count <= 256 and count % 8 == 0, (consumer, worker)
     assert 2 * consumer + (groups - 2) * worker == groups * maxnreg  # nothing of the pool left idle
     assert maxnreg % 8 == 0 and groups * 128 * maxnreg <= 65536  # the register file
-    with pytest.raises(ValueError, match="drawer_warps must be 2 or 4, got 3"):
-        sm90_fwd.dropout_registers(3)
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (1, 17), (17, 1), (113, 113), (45, 70), (70, 45), (5, 1023)])

@@ -79,7 +79,6 @@ PRODUCER_REGISTERS = 24  # the producer warp's setmaxnreg count (its warpgroup's
 # DRAWER_REGISTERS each, the consumers the rest.
 MAXNREG_DROPOUT = 128
 DRAWER_REGISTERS = 24
-DRAWER_PHILOX = True  # probe: False makes the drawers write all-kept words without drawing (gluon_check "+nophilox")
 
 
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -172,7 +171,7 @@ def _shift_in_call(lo, hi, r0, r1, r2, r3, carry_addend):
                                      is_pure=True, pack=1)
 
 @gluon.jit
-def _keep_drawer(args, WG: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, PHILOX: gl.constexpr):
+def _keep_drawer(args, WG: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr):
     """Consumer WG's keep words, step by step, into its ring of slots (`keep_full` / `keep_empty`),
     drawn by common.dropout_keep's counters so that the bits are the forward's: a Philox call decides the eight
     pairs that differ in query bit 3 and key bits 0 and 3, i.e. four decisions for each of two consumer threads
@@ -196,15 +195,14 @@ def _keep_drawer(args, WG: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.const
         # counter row of query m0 + 2 * query_mid (bit 3 dropped): dropout_keep's rows0 + (i >> 4) * 8 + (i & 7)
         row = (dropout_head_rows(off_b, nheads, off_h0 + g, seqlen_q) + m0 // 2 + 2 * query_mid).to(gl.int64)
         base = offset + row * groups_per_row + col  # (4, 4, 4): the call of query bits 0, 4, 5 = 0
-        lo = gl.zeros(base.shape, gl.uint32, KEEP_DRAW) + (0 if PHILOX else 0xFFFFFFFF)
-        hi = gl.zeros(base.shape, gl.uint32, KEEP_DRAW) + (0 if PHILOX else 0xFFFFFFFF)
-        for j in range(8 if PHILOX else 0):  # a loop: one call's state live
+        lo = gl.zeros(base.shape, gl.uint32, KEEP_DRAW)
+        hi = gl.zeros(base.shape, gl.uint32, KEEP_DRAW)
+        for j in range(8):  # a loop: one call's state live
             c = 7 - j  # query bit 0 + 2 * (query >> 4); the last call shifted in lands at bits 0..3
             r0, r1, r2, r3 = philox_wide(seed, base + ((c >> 1) * 8 + (c & 1)) * groups_per_row)
             lo, hi = _shift_in_call(lo, hi, r0, r1, r2, r3, addend)
-        if PHILOX:
-            lo = gl.where(keep_all, 0xFFFFFFFF, lo)
-            hi = gl.where(keep_all, 0xFFFFFFFF, hi)
+        lo = gl.where(keep_all, 0xFFFFFFFF, lo)
+        hi = gl.where(keep_all, 0xFFFFFFFF, hi)
         words = gl.reshape(gl.permute(gl.join(lo, hi), [0, 1, 3, 2]), [4, 8, 4])  # key & 7 = 2 * mid + bit 0
         s = WG * SLOTS + i % SLOTS
         # a fresh mbarrier counts as having completed the phase before 0, so the first lap does not wait
@@ -454,7 +452,7 @@ def attn_bwd_dkdv_hopper_kernel(
     CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
     STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr,
     LSE_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FUSED_DQ: gl.constexpr,
-    DROPOUT: gl.constexpr, DRAW_PHILOX: gl.constexpr,
+    DROPOUT: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = 2 * HALF_N
     num_n = gl.cdiv(seqlen_k, BLOCK_N)
@@ -539,8 +537,8 @@ def attn_bwd_dkdv_hopper_kernel(
                          STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
             (_producer, (producer_args, BLOCK_M, STAGES)),
             (_dq_reducer, (reducer_args, BLOCK_M)),
-            (_keep_drawer, (drawer_args, 0, BLOCK_M, HALF_N, DRAW_PHILOX)),
-            (_keep_drawer, (drawer_args, 1, BLOCK_M, HALF_N, DRAW_PHILOX)),
+            (_keep_drawer, (drawer_args, 0, BLOCK_M, HALF_N)),
+            (_keep_drawer, (drawer_args, 1, BLOCK_M, HALF_N)),
         ], [4, 1, 1, 2, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     elif FUSED_DQ:
         gl.warp_specialize([
@@ -558,8 +556,8 @@ def attn_bwd_dkdv_hopper_kernel(
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
                          STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
             (_producer, (producer_args, BLOCK_M, STAGES)),
-            (_keep_drawer, (drawer_args, 0, BLOCK_M, HALF_N, DRAW_PHILOX)),
-            (_keep_drawer, (drawer_args, 1, BLOCK_M, HALF_N, DRAW_PHILOX)),
+            (_keep_drawer, (drawer_args, 0, BLOCK_M, HALF_N)),
+            (_keep_drawer, (drawer_args, 1, BLOCK_M, HALF_N)),
         ], [4, 1, 2, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -693,5 +691,5 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
         LSE_FIRST=lse_first(headdim),
         CONSUMER_REGS=consumer_registers(headdim, dropout) if consumer_regs is None else consumer_regs,
         PRODUCER_REGS=worker_registers(dropout), FUSED_DQ=fused, DROPOUT=dropout,
-        DRAW_PHILOX=DRAWER_PHILOX, num_warps=4, maxnreg=launch_maxnreg(dropout),
+        num_warps=4, maxnreg=launch_maxnreg(dropout),
     )

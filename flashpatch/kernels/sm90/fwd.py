@@ -63,15 +63,9 @@ BLOCK_N = 128  # keys per step
 STAGES = 2  # K/V ring depth
 MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
 MAXNREG_3 = 128  # three consumers: 13 warps, launched as 16 (a multiple of 4): 16 x 32 x 128 = 64K
-# The persistent forward's loop pipelined by one matmul (`_fwd_block_lazy`: each step issues the previous block's P V
-# and its own S together), or with False `_fwd_block`'s step (the "+eager_pv" variant of scripts/gluon_check.py).
-# Bit-identical; measured (NOTES.md v57, H100, forward GPU time, median of five interleaved runs, us): unmasked n4096
-# 1027 -> 956, n16384 3962 -> 3618; causal n4096 537 -> 524, n8192 1016 -> 984; the 1B shape ties.
-LAZY_PV = True
 # Dropout (head dim 128, the grid of one program per query block): two drawer partitions of DRAWER_WARPS warps each
-# (`_fwd_keep_drawer`) draw each consumer's keep bits beside its matmuls, as hopper_dkdv.py's drawers do for the
-# backward; `dropout_registers` splits the register file. Measured (NOTES.md v54, H100, forward GPU time against the
-# Triton kernel's 1.74 ms at causal n8192): two warps 1.88-1.89 ms, four (20 warps) 1.68.
+# (`_fwd_keep_drawer`) draw each consumer's keep bits beside its matmuls, as dkdv.py's drawers do for the backward;
+# `dropout_registers` splits the register file. Four warps each beat two (docs/tuning.md, the dropout forward).
 DRAWER_WARPS = 4
 KEEP_SLOTS = 2  # each consumer's ring of keep words
 
@@ -92,11 +86,9 @@ FWD_KEEP_TILE8 = gl.constexpr(gl.BlockedLayout(
 FWD_KEEP_WORDS = kept_dims(FWD_KEEP_TILE8, (0, 2, 3, 6))  # (4, 8, 2, 4): a thread's two words
 FWD_KEEP_QUERY3, FWD_KEEP_CALL, FWD_KEEP_KEY3, FWD_KEEP_KEY0 = (kept_dims(FWD_KEEP_TILE8, (dim, ))
                                                                for dim in (1, 4, 5, 7))
-# the drawer's tile, a slot's words (query >> 4, query & 7, key >> 6, (key >> 1) & 3), by DRAWER_WARPS: with two
-# warps a lane draws one word of each consumer warp (one drawer warp each key >> 6), so four calls in flight; with
-# four, those of two consumer warps
-FWD_KEEP_DRAW2 = gl.constexpr(gl.BlockedLayout([4, 1, 1, 1], [1, 8, 1, 4], [1, 1, 2, 1], [3, 1, 2, 0]))
-FWD_KEEP_DRAW4 = gl.constexpr(gl.BlockedLayout([2, 1, 1, 1], [1, 8, 1, 4], [2, 1, 2, 1], [3, 1, 2, 0]))
+# the drawer's tile, a slot's words (query >> 4, query & 7, key >> 6, (key >> 1) & 3) over its DRAWER_WARPS warps: a
+# lane draws the words of two consumer warps
+FWD_KEEP_DRAW = gl.constexpr(gl.BlockedLayout([2, 1, 1, 1], [1, 8, 1, 4], [2, 1, 2, 1], [3, 1, 2, 0]))
 FWD_KEEP_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))  # a slot's (4, 8, 2, 4) words
 _KEEP_SLOTS = gl.constexpr(KEEP_SLOTS)  # as the kernel reads it
 
@@ -116,20 +108,12 @@ def _shift_in_call(word, r0, r1, r2, r3, carry_addend):
                                      dtype=gl.uint32, is_pure=True, pack=1)
 
 @gluon.jit
-def _fwd_keep_drawer(args, WG: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     DRAWER_WARPS: gl.constexpr):
-    """Drawer partition WG (`_fwd_keep_draws`), its tile's layout by its warp count."""
-    if DRAWER_WARPS == 4:
-        _fwd_keep_draws(args, WG, HALF_M, BLOCK_N, FWD_KEEP_DRAW4)
-    else:
-        _fwd_keep_draws(args, WG, HALF_M, BLOCK_N, FWD_KEEP_DRAW2)
-
-@gluon.jit
-def _fwd_keep_draws(args, WG: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, DRAW: gl.constexpr):
-    """Consumer WG's keep words, step by step, into its ring of slots (`keep_full` / `keep_empty`), drawn at
-    common.dropout_keep's counters (the bits that the backward and the Triton kernels draw): the lanes of the
-    drawer's warps in layout DRAW over the slot's words, each lane runs calls 4 word .. 4 word + 3 of the
-    consumer threads whose words it holds, one call of each at once."""
+def _fwd_keep_drawer(args, WG: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Drawer partition WG: consumer WG's keep words, step by step, into its ring of slots (`keep_full` /
+    `keep_empty`), drawn at triton.common.dropout_keep's counters (the bits that the backward and the Triton kernels
+    draw): the lanes of the drawer's warps in layout FWD_KEEP_DRAW over the slot's words, each lane runs calls
+    4 word .. 4 word + 3 of the consumer threads whose words it holds, one call of each at once."""
+    DRAW: gl.constexpr = FWD_KEEP_DRAW
     (keep_bufs, keep_full, keep_empty, SEED_OFFSET, dropout_p, off_b, nheads, off_h, seqlen_q, seqlen_k, m0,
      n_steps) = args
     SLOTS: gl.constexpr = keep_bufs.shape[0] // 2  # each consumer's
@@ -271,25 +255,19 @@ def _fwd_consumer(q_s, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o
     zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
     acc, m_i, l_i = _fwd_block(q_s, q_bar, 0, 0, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
                                shift, n_full, n_steps, qk_scale, alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES,
-                               ALIBI, False, FOLD, keep_parts, WG, DROPOUT)
+                               ALIBI, FOLD, keep_parts, WG, DROPOUT)
     _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, m0 + WG * HALF_M, seqlen_q,
                   q_s.dtype, HEADDIM, HALF_M, keep_fraction, DROPOUT)
 
 @gluon.jit
 def _fwd_block(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift,
                n_full, n_steps, qk_scale, alibi_log2, HEADDIM: gl.constexpr, HALF_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, ONE_LOOP: gl.constexpr,
-               FOLD: gl.constexpr, keep_parts, WG: gl.constexpr, DROPOUT: gl.constexpr):
-    """A consumer warpgroup's HALF_M query rows offs_m, once their Q has landed (q_bar's phase q_phase): the key
-    blocks below the diagonal without a mask, then the masked ones, read from the K/V ring from slot `ring` on.
-    Returns (acc, m_i, l_i) for `_fwd_epilogue`. keep_parts, WG, DROPOUT: `_fwd_step`'s.
-
-    ONE_LOOP (the persistent kernel's): one loop over the key blocks that picks the masked step per block, in
-    place of two loops. With two loops, Triton 3.6 compiled the persistent kernel so that the first consumer
-    warpgroup's matmuls read the wrong shared memory whenever the unmasked loop had no trips (a causal tile
-    at the diagonal: its rows 1-63 wrong in the forward, an illegal address in dQ), while the second
-    warpgroup, the same code, was right; the one-loop form is exact (scripts/persistent_debug.py, NOTES.md
-    v32)."""
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr, keep_parts,
+               WG: gl.constexpr, DROPOUT: gl.constexpr):
+    """A consumer warpgroup's HALF_M query rows offs_m in a program of one query block, once their Q has landed
+    (q_bar's phase q_phase): the key blocks below the diagonal without a mask, then the masked ones, read from the
+    K/V ring from slot `ring` on. Returns (acc, m_i, l_i) for `_fwd_epilogue`. keep_parts, WG, DROPOUT: `_fwd_step`'s.
+    (The persistent program's consumers run `_fwd_block_pipelined`.)"""
     s_layout: gl.constexpr = zero_s.type.layout
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEADDIM, 16])  # (queries, D)
@@ -297,37 +275,31 @@ def _fwd_block(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empt
     l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
     mbarrier.wait(q_bar, q_phase)
-    if ONE_LOOP:
-        for i in range(0, n_steps):
-            if i < n_full:
-                acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v,
-                                          empty, zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, False,
-                                          ALIBI, BLOCK_N, STAGES, FOLD, keep_parts, WG,
-                                          DROPOUT)
-            else:
-                acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v,
-                                          empty, zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, True,
-                                          ALIBI, BLOCK_N, STAGES, FOLD, keep_parts, WG,
-                                          DROPOUT)
-    else:
-        for i in range(0, n_full):
-            acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
-                                      zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, False, ALIBI, BLOCK_N,
-                                      STAGES, FOLD, keep_parts, WG, DROPOUT)
-        for i in range(n_full, n_steps):
-            acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
-                                      zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, True, ALIBI, BLOCK_N,
-                                      STAGES, FOLD, keep_parts, WG, DROPOUT)
+    for i in range(0, n_full):
+        acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
+                                  zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, False, ALIBI, BLOCK_N,
+                                  STAGES, FOLD, keep_parts, WG, DROPOUT)
+    for i in range(n_full, n_steps):
+        acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
+                                  zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, True, ALIBI, BLOCK_N,
+                                  STAGES, FOLD, keep_parts, WG, DROPOUT)
     return acc, m_i, l_i
 
+
 @gluon.jit
-def _fwd_block_lazy(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
-                    shift, n_full, n_steps, qk_scale, alibi_log2, HEADDIM: gl.constexpr, HALF_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr):
-    """`_fwd_block` (ONE_LOOP, no dropout) software-pipelined by one matmul: step i issues block i - 1's P V and
-    then block i's S = Q Kᵀ and waits for both at once, so the tensor core runs them back to back instead of
-    idling while the warpgroup waits for P V, releases the slot, and issues the next S. P is carried from one
-    step to the next as the bf16 matmul operand; the same arithmetic in the same order as `_fwd_block`."""
+def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
+                         shift, n_full, n_steps, qk_scale, alibi_log2, HEADDIM: gl.constexpr, HALF_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr):
+    """`_fwd_block` (no dropout) for a persistent program's consumer, software-pipelined by one matmul: step i
+    issues block i - 1's P V and then block i's S = Q Kᵀ and waits for both at once, so the tensor core runs them
+    back to back instead of idling while the warpgroup waits for P V, releases the slot, and issues the next S. P is
+    carried from one step to the next as the bf16 matmul operand; the same arithmetic in the same order as
+    `_fwd_block`, so the outputs are the per-block program's bit for bit.
+
+    One loop over the key blocks picks the masked step per block (`_pipelined_softmax`), in place of
+    `_fwd_block`'s two loops: with two loops, Triton 3.6 compiled a persistent kernel so that the first consumer
+    warpgroup's matmuls read the wrong shared memory whenever the unmasked loop had no trips (a causal tile at the
+    diagonal), while the second warpgroup, the same code, was right. dq.py's persistent dQ keeps one loop too."""
     s_layout: gl.constexpr = zero_s.type.layout
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEADDIM, 16])  # (queries, D)
@@ -342,7 +314,7 @@ def _fwd_block_lazy(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v,
         qk = warpgroup_mma(q_s, k_bufs.index(ring % STAGES).permute((1, 0)), zero_s, use_acc=False,
                            is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
-        p_op, acc, m_i, l_i = _lazy_softmax(qk, acc, m_i, l_i, offs_m, offs_n, 0, n_full, shift, qk_scale,
+        p_op, acc, m_i, l_i = _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, 0, n_full, shift, qk_scale,
                                             alibi_log2, q_s.dtype, a_layout, ALIBI, BLOCK_N, FOLD)
     for i in range(1, n_steps):
         prev = (ring + i - 1) % STAGES
@@ -353,7 +325,7 @@ def _fwd_block_lazy(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v,
         qk = warpgroup_mma(q_s, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         qk, acc = warpgroup_mma_wait(0, deps=(qk, pv))
         mbarrier.arrive(empty.index(prev))
-        p_op, acc, m_i, l_i = _lazy_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_full, shift, qk_scale,
+        p_op, acc, m_i, l_i = _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_full, shift, qk_scale,
                                             alibi_log2, q_s.dtype, a_layout, ALIBI, BLOCK_N, FOLD)
     if n_steps > 0:  # the last block's P V
         last = (ring + n_steps - 1) % STAGES
@@ -364,10 +336,10 @@ def _fwd_block_lazy(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v,
     return acc, m_i, l_i
 
 @gluon.jit
-def _lazy_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_full, shift, qk_scale, alibi_log2,
+def _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_full, shift, qk_scale, alibi_log2,
                   dtype: gl.constexpr, a_layout: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
                   FOLD: gl.constexpr):
-    """`_fwd_block_lazy`'s step after its wait: block i's scores into P (the next P V's A operand: dtype, a_layout),
+    """`_fwd_block_pipelined`'s step after its wait: block i's scores into P (the next P V's A operand: dtype, a_layout),
     masked past the first n_full blocks, and acc rescaled by the running max's change."""
     if i < n_full:
         p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2, False,
@@ -405,7 +377,7 @@ def _fwd_consumer_persistent(q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_
                              SCHEDULE, schedule_rounds, WG: gl.constexpr, CAUSAL: gl.constexpr,
                              HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr,
-                             FOLD: gl.constexpr, LAZY: gl.constexpr):
+                             FOLD: gl.constexpr):
     """`_fwd_consumer` over this program's tiles, the producer's order; releases Q (`q_empty`) after the
     tile's last step, before its epilogue."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -424,16 +396,10 @@ def _fwd_consumer_persistent(q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_
             qb = done % 2
             q_s = q_bufs.index(qb).slice(WG * HALF_M, HALF_M)  # (HALF_M, D)
             offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
-            if LAZY:
-                acc, m_i, l_i = _fwd_block_lazy(q_s, q_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs,
-                                                ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift, n_full,
-                                                n_steps, qk_scale, alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES,
-                                                ALIBI, FOLD)
-            else:
-                acc, m_i, l_i = _fwd_block(q_s, q_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs,
-                                           ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift, n_full,
-                                           n_steps, qk_scale, alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES,
-                                           ALIBI, True, FOLD, 0, WG, False)
+            acc, m_i, l_i = _fwd_block_pipelined(q_s, q_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs,
+                                                 ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift, n_full,
+                                                 n_steps, qk_scale, alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES,
+                                                 ALIBI, FOLD)
             mbarrier.arrive(q_empty.index(qb))
             _fwd_epilogue(acc, m_i, l_i, O, LSE, off_b * stride_ob + off_h * stride_oh, stride_os,
                           off_b * stride_lse_b + off_h * stride_lse_h, offs_m, m0 + WG * HALF_M, seqlen_q,
@@ -450,13 +416,13 @@ def attn_fwd_hopper_kernel(
     CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, PERSISTENT: gl.constexpr,
     FOLD: gl.constexpr, CONSUMERS: gl.constexpr, DROPOUT: gl.constexpr, DRAWER_WARPS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr, LAZY_PV: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr,
 ):
     if PERSISTENT:  # num_tiles: batch x heads x query blocks, which the programs take in turn
         _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols, k_rows, k_cols, v_rows,
                         v_cols, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
                         num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, SCHEDULE, schedule_rounds,
-                        CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI, FOLD, LAZY_PV)
+                        CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI, FOLD)
         return
     off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_program(
         seqlen_q, seqlen_k, nheads, group_size, CAUSAL, CONSUMERS * HALF_M, BLOCK_N, HEAD_GROUP)
@@ -492,8 +458,8 @@ def attn_fwd_hopper_kernel(
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
                              q_row, off_h * q_cols, k_row, off_hk * k_cols, v_row, off_hk * v_cols, n_steps,
                              BLOCK_N, STAGES, Q_TILES)),
-            (_fwd_keep_drawer, (drawer_args, 0, HALF_M, BLOCK_N, DRAWER_WARPS)),
-            (_fwd_keep_drawer, (drawer_args, 1, HALF_M, BLOCK_N, DRAWER_WARPS)),
+            (_fwd_keep_drawer, (drawer_args, 0, HALF_M, BLOCK_N)),
+            (_fwd_keep_drawer, (drawer_args, 1, HALF_M, BLOCK_N)),
         ], [4, 1, DRAWER_WARPS, DRAWER_WARPS], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS, WORKER_REGS])
     elif CONSUMERS == 3:  # head dim 64 (CONSUMERS_BY_HEADDIM): 13 warps share the register file
         gl.warp_specialize([
@@ -528,8 +494,7 @@ def _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols
                     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
                     num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, SCHEDULE, schedule_rounds,
                     CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr,
-                    LAZY_PV: gl.constexpr):
+                    STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr):
     """The PERSISTENT kernel body: two Q buffers (the next tile's Q loads under this one's steps), the K/V
     ring, and the same three partitions looping over the program's tiles (`persistent_tile`: SCHEDULE's, or
     the closed form where it is None)."""
@@ -542,12 +507,12 @@ def _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols
                                     ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
                                     stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
                                     SCHEDULE, schedule_rounds, 0, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES,
-                                    HEAD_GROUP, ALIBI, FOLD, LAZY_PV)),
+                                    HEAD_GROUP, ALIBI, FOLD)),
         (_fwd_consumer_persistent, (q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
                                     ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
                                     stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
                                     SCHEDULE, schedule_rounds, 1, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES,
-                                    HEAD_GROUP, ALIBI, FOLD, LAZY_PV)),
+                                    HEAD_GROUP, ALIBI, FOLD)),
         (producer_persistent, (q_desc, None, k_desc, v_desc, q_bufs, None, k_bufs, v_bufs, ready_k, ready_v,
                                empty, q_ready, q_empty, q_rows, q_cols, None, None, k_rows, k_cols, v_rows,
                                v_cols, num_tiles, nheads, group_size, seqlen_q, seqlen_k, SCHEDULE,
@@ -555,17 +520,14 @@ def _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols
     ], [4, 1], [232, 24])
 
 
-def dropout_registers(drawer_warps: int) -> tuple[int, int, int]:
-    """(registers a thread at launch, the consumers' setmaxnreg count, the other warpgroups') of the dropout form with
-    `drawer_warps` per drawer: its 9 + 2 drawer_warps warps launch as whole warpgroups (16 or 20) sharing the register
-    file; setmaxnreg applies per warpgroup, so the producer's and the drawers' warpgroups (with the padding warps)
-    share one count, 56 or 48 (the drawers' calls in flight spill under 40), and the consumers split the rest (200 or
-    168; ptxas spills nothing at either)."""
-    if drawer_warps not in (2, 4):
-        raise ValueError(f"drawer_warps must be 2 or 4, got {drawer_warps}")
-    groups = 2 + (1 + 2 * drawer_warps + 3) // 4
+def dropout_registers() -> tuple[int, int, int]:
+    """(registers a thread at launch, the consumers' setmaxnreg count, the other warpgroups') of the dropout form: its
+    9 + 2 DRAWER_WARPS warps launch as whole warpgroups (20) sharing the register file; setmaxnreg applies per
+    warpgroup, so the producer's and the drawers' warpgroups (with the padding warps) share one count, 48 (the
+    drawers' calls in flight spill under 40), and the consumers split the rest (168; ptxas spills nothing)."""
+    groups = 2 + (1 + 2 * DRAWER_WARPS + 3) // 4
     maxnreg = 65536 // (groups * 128) // 8 * 8
-    worker = 56 if drawer_warps == 2 else 48
+    worker = 48
     return maxnreg, (groups * maxnreg - (groups - 2) * worker) // 2 // 8 * 8, worker
 
 
@@ -621,7 +583,7 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     else:
         grid = (num_tiles,)
     if dropout:
-        maxnreg, consumer_regs, worker_regs = dropout_registers(DRAWER_WARPS)
+        maxnreg, consumer_regs, worker_regs = dropout_registers()
     else:  # the setmaxnreg counts of the non-dropout forms are in the kernel
         maxnreg, consumer_regs, worker_regs = (MAXNREG if consumers == 2 else MAXNREG_3), 0, 0
     attn_fwd_hopper_kernel[grid](
@@ -632,5 +594,5 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HEAD_GROUP=order, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
         FOLD=fold, CONSUMERS=consumers, DROPOUT=dropout, DRAWER_WARPS=DRAWER_WARPS, CONSUMER_REGS=consumer_regs,
-        WORKER_REGS=worker_regs, LAZY_PV=LAZY_PV, num_warps=4, maxnreg=maxnreg,  # read by the persistent body only
+        WORKER_REGS=worker_regs, num_warps=4, maxnreg=maxnreg,
     )
