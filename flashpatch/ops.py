@@ -4,7 +4,7 @@ torch.compile traces through them as opaque nodes.
 Dense tensors are (batch, seqlen, heads, headdim); varlen tensors are (total_tokens, heads, headdim) with
 cu_seqlens. Both run the same kernels: varlen reads a sequence's start and length from cu_seqlens, dense uses a
 batch stride. On an H100/H200 (sm_90), dense d128 calls that are causal or unmasked (with or without ALiBi slopes)
-and whose lengths divide the tiles run warp-specialized Gluon kernels instead (kernels/hopper_*.py; same results,
+and whose lengths divide the tiles run warp-specialized Gluon kernels instead (kernels/sm90/; same results,
 same LSE and delta buffers); FLASHPATCH_GLUON=0 turns them off. No argument checking here: flashpatch.validation does
 it in the public layer.
 """
@@ -137,21 +137,22 @@ def _varlen_grid_blocks(cu_seqlens: torch.Tensor, rows: int, block: int) -> int:
 
 def varlen_blocks(cu_seqlens: torch.Tensor, rows: int, block: int, heaviest_first: bool,
                   longest_first: bool = True) -> torch.Tensor:
-    """(2, n) int32: the (sequence, block) pairs of a varlen launch's grid (common.batch_head_and_block), which then
-    holds nheads x n programs. A grid of batch x ceil(max_seqlen / block) blocks per head would be mostly empty
-    programs on a batch of mixed lengths (64k tokens in 73 documents of 64..4096: 37k programs per kernel, 9k of
-    them with work; the empty ones cost ~4 ns each of GPU time, NOTES.md v27), and it grows with the longest
-    sequence times the batch.
+    """(2, n) int32: the (sequence, block) pairs of a varlen launch's grid (triton.common.batch_head_and_block),
+    which then holds nheads x n programs. A grid of batch x ceil(max_seqlen / block) blocks per head would be mostly
+    empty programs on a batch of mixed lengths (64k tokens in 73 documents of 64..4096: 37k programs per kernel, 9k
+    of them with work; the empty ones cost GPU time too: docs/tuning.md, "varlen grids"), and it grows with the
+    longest sequence times the batch.
 
     n = `_varlen_grid_blocks` bounds the blocks that exist from shapes alone (no host sync); the pairs past the
     last block name block ceil(length_0 / block) of sequence 0, which the kernels skip.
 
     Order: a sequence's blocks side by side, so the programs in flight share its K/V (or Q/dO) in L2; sorting all
-    pairs by block index instead (the order of a (batch x heads, blocks) grid) made the varlen dQ 12% slower (NOTES.md
-    v28). Within a sequence, heaviest_first runs the blocks from the last down (query blocks: under a causal mask
-    the last see the most keys), else from 0 up (key blocks: the first are seen by the most queries). With
-    longest_first the sequences go longest first (ties in batch order), so the grid ends on short sequences' light
-    blocks instead of a long one's. Computed on the device once per cu_seqlens tensor (memo.once_per_tensor)."""
+    pairs by block index instead (the order of a (batch x heads, blocks) grid) made the varlen dQ slower. Within a
+    sequence, heaviest_first runs the blocks from the last down (query blocks: under a causal mask the last see the
+    most keys), else from 0 up (key blocks: the first are seen by the most queries). With longest_first
+    (options.KernelOptions.varlen_longest_first) the sequences go longest first (ties in batch order), so the grid
+    ends on short sequences' light blocks instead of a long one's. Computed on the device once per cu_seqlens tensor
+    (memo.once_per_tensor)."""
     batch = cu_seqlens.numel() - 1
     count = _varlen_grid_blocks(cu_seqlens, rows, block)
 
@@ -184,7 +185,7 @@ def _launch_grid(heads: int, block: int, blocks_fastest: bool, cu_seqlens: Optio
                  batch: int, max_seqlen: int, heaviest_first: bool, opts: kernel_options.KernelOptions):
     """(grid, VARLEN_BLOCKS, BLOCKS_FASTEST) of a launch with one program per head and block of `block` rows (of
     queries: the forward and dQ, heaviest_first; of keys: dK/dV). A varlen grid too long for the second axis of
-    a 2-D grid becomes a 1-D one (common.head_and_block: a head's blocks side by side)."""
+    a 2-D grid becomes a 1-D one (triton.common.head_and_block: a head's blocks side by side)."""
     if cu_seqlens is None:
         return _grid(batch * heads, triton.cdiv(max_seqlen, block), blocks_fastest), None, blocks_fastest
     if not blocks_fastest and _varlen_grid_blocks(cu_seqlens, rows, block) > _MAX_GRID_Y:
@@ -205,9 +206,9 @@ def _head_group(cfg: kernel_config.LaunchConfig, varlen: bool, window_left: int,
 
 
 def _even_interior(enabled: bool, headdim: int) -> bool:
-    """The fully visible blocks between the mask edges (common.key_block_range, query_block_range) always lie
-    inside the sequence, so their loads need a mask only for padded head-dim columns (NOTES.md v28: ragged and
-    varlen rows keep the masks on their edge blocks alone)."""
+    """The fully visible blocks between the mask edges (triton.common.key_block_range, query_block_range) always
+    lie inside the sequence, so their loads need a mask only for padded head-dim columns: ragged and varlen rows keep
+    the masks on their edge blocks alone."""
     return enabled and headdim == triton.next_power_of_2(headdim)
 
 
@@ -334,7 +335,7 @@ def attn_fwd_impl(
 
 
 # The custom op is what torch.compile and every tracer see; the autograd layer calls attn_fwd_impl directly in eager
-# mode on plain tensors, saving the dispatcher's host time (autograd._eager, NOTES.md v24).
+# mode on plain tensors, saving the dispatcher's host time (autograd._eager).
 attn_fwd = torch.library.custom_op("flashpatch::attn_fwd", attn_fwd_impl, mutates_args=(), device_types=("cuda", "cpu"))
 
 
@@ -404,7 +405,7 @@ def attn_bwd_impl(
     fuses_dq = gluon_dkdv and sm90_dkdv.fuses_dq(headdim)  # whether the Gluon dK/dV could add dQ itself
     fused_dq = not deterministic and cfgs.fused_dq and gluon_dkdv and fuses_dq
     # config's atomic dQ is the Triton dK/dV's, taken with dropout to spare the dQ pass its second draw; where the
-    # Gluon dK/dV draws the bits (v51) its fused dQ or the separate pass beside it is faster (NOTES.md v51, v52)
+    # Gluon dK/dV draws the bits, its fused dQ or the separate pass beside it is faster
     gluon_draws = gluon_dkdv and dropout_p > 0
     atomic_dq = (cfgs.atomic_dq and not deterministic and not gluon_draws) or fused_dq
     # fp32 accumulator for atomic dQ; otherwise dQ gets its own pass and the pointer is unused.

@@ -107,7 +107,7 @@ def _shared_layout(block_rows: int, headdim: int, fp16: bool):
 def kept_dims(parent, dims):
     """Gluon layout `parent` (a constexpr) sliced down to its dimensions `dims`, the others removed from the last: the
     layout whose tensor `x[...]`, with None at those other positions, expands back into `parent` (the keep words of
-    hopper_fwd.py and hopper_dkdv.py, one dimension of a tile for its aranges)."""
+    fwd.py and dkdv.py, one dimension of a tile for its aranges)."""
     layout = parent.value
     for dim in reversed(range(len(layout.size_per_thread))):
         if dim not in dims:
@@ -119,8 +119,8 @@ def carry_shift_in_ptx(decisions, addend: str) -> str:
     """Inline PTX that shifts 16-bit dropout decisions into 32-bit words, one per decision in the order given: a
     decision half >= t is the carry out of half * 2^16 + (2^32 - t * 2^16) (`addend` holds the latter), and
     `addc` doubles the word and adds that carry, so the last decision lands at bit 0. `decisions`: (source word
-    operand, "lo" or "hi" half, word operand out, word operand in) each; the drawers of hopper_fwd.py and
-    hopper_dkdv.py build their per-call blocks from it."""
+    operand, "lo" or "hi" half, word operand out, word operand in) each; the drawers of fwd.py and
+    dkdv.py build their per-call blocks from it."""
     lines = ["{", ".reg .b32 t;"]
     for source, half, word_out, word_in in decisions:
         if half == "lo":
@@ -134,7 +134,7 @@ def carry_shift_in_ptx(decisions, addend: str) -> str:
 @gluon.jit
 def query_block_program(seqlen_q, seqlen_k, nheads, group_size, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, HEAD_GROUP: gl.constexpr):
-    """This program's query block (also hopper_dq.py's): (batch, head, K/V head, first query row, Sk - Sq,
+    """This program's query block (the forward's and dQ's): (batch, head, K/V head, first query row, Sk - Sq,
     key blocks below the diagonal, key blocks to visit)."""
     num_m = gl.cdiv(seqlen_q, BLOCK_M)
     return query_block_of_tile(gl.program_id(0), gl.num_programs(0) // num_m, seqlen_q, seqlen_k, nheads,
@@ -146,7 +146,7 @@ def query_block_of_tile(tile, num_bh, seqlen_q, seqlen_k, nheads, group_size, CA
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_GROUP: gl.constexpr):
     """`query_block_program` for tile `tile` of num_bh (batch x heads) x the query blocks."""
     num_m = gl.cdiv(seqlen_q, BLOCK_M)
-    off_bh, pid_m = tile_head_and_block(tile, num_bh, num_m, HEAD_GROUP)  # Triton's 1-D grid order (common.py)
+    off_bh, pid_m = tile_head_and_block(tile, num_bh, num_m, HEAD_GROUP)  # Triton's 1-D grid order (triton/common.py)
     if CAUSAL:
         pid_m = num_m - 1 - pid_m  # the heaviest query blocks (the last ones) first
     off_b = off_bh // nheads
@@ -166,7 +166,7 @@ def query_block_of_tile(tile, num_bh, seqlen_q, seqlen_k, nheads, group_size, CA
 @gluon.jit
 def head_slope_log2(ALIBI_SLOPES, index, ALIBI: gl.constexpr):
     """ALiBi's slope of one (sequence, head), ALIBI_SLOPES[index], times log2(e) (the scores are in log2
-    units); 0 without ALiBi. Shared with hopper_dkdv.py and hopper_dq.py."""
+    units); 0 without ALiBi."""
     if ALIBI:
         return gl.load(ALIBI_SLOPES + index) * 1.4426950408889634
     else:
@@ -175,8 +175,7 @@ def head_slope_log2(ALIBI_SLOPES, index, ALIBI: gl.constexpr):
 
 @gluon.jit
 def dropout_seed_offset(SEED_OFFSET, DROPOUT: gl.constexpr):
-    """The call's Philox (seed, offset) (ops.draw_seed_offset); zeros without dropout. Shared with
-    hopper_dkdv.py and hopper_dq.py."""
+    """The call's Philox (seed, offset) (ops.draw_seed_offset); zeros without dropout."""
     seed = 0
     offset = 0
     if DROPOUT:
@@ -187,9 +186,9 @@ def dropout_seed_offset(SEED_OFFSET, DROPOUT: gl.constexpr):
 
 @gluon.jit
 def carry_addend(dropout_p):
-    """(2^32 - t * 2^16 as uint32, whether t = 0) for threshold t = common.dropout_threshold(dropout_p): the addend
-    whose carry out of half * 2^16 + addend is the decision half >= t (hopper_common.carry_shift_in_ptx), for the
-    drawers here and in hopper_dkdv.py. t = 2^16 (every weight dropped) wraps it to 0 as it should; t = 0 (p under
+    """(2^32 - t * 2^16 as uint32, whether t = 0) for threshold t = triton.common.dropout_threshold(dropout_p):
+    the addend whose carry out of half * 2^16 + addend is the decision half >= t (`carry_shift_in_ptx`), for the
+    drawers of fwd.py and dkdv.py. t = 2^16 (every weight dropped) wraps it to 0 as it should; t = 0 (p under
     2^-17) wraps it to 0 too, so there the caller keeps every weight by the second value."""
     threshold = dropout_threshold(dropout_p)
     return 0 - (threshold << 16), threshold == 0
@@ -197,7 +196,7 @@ def carry_addend(dropout_p):
 
 @gluon.jit
 def allocate_keep_ring(SLOTS: gl.constexpr, SLOT_SHAPE: gl.constexpr, LAYOUT: gl.constexpr):
-    """The drawers' rings of keep words (also hopper_dkdv.py's): SLOTS int32 slots of SLOT_SHAPE for each of the
+    """The drawers' rings of keep words (fwd.py's and dkdv.py's): SLOTS int32 slots of SLOT_SHAPE for each of the
     two consumers (consumer w's are w * SLOTS ..), a `keep_full` mbarrier per slot, which its drawer arrives at,
     and a `keep_empty` one, which its consumer arrives at."""
     bufs = gl.allocate_shared_memory(gl.int32, [2 * SLOTS] + SLOT_SHAPE, LAYOUT)
@@ -225,11 +224,10 @@ def _mul_wide(x, ASM: gl.constexpr):
 
 @gluon.jit
 def philox_wide(seed, counter):
-    """common.philox4x32_10's four words (tl.philox's rounds, the same arithmetic) with each round's two products
-    written as one mul.wide each, for the Gluon kernels that draw keep bits (the drawers here and in
-    hopper_dkdv.py, the dQ pass of hopper_dq.py): from tl.philox's mul.hi and mul.lo ptxas mostly issues two IMADs
-    a product, here one IMAD.WIDE, a third fewer instructions a call (NOTES.md v55). The first round is written
-    out with c2 = c3 = 0."""
+    """triton.common.philox4x32_10's four words (tl.philox's rounds, the same arithmetic) with each round's two
+    products written as one mul.wide each, for the Gluon kernels that draw keep bits (the drawers of fwd.py and
+    dkdv.py, the dQ pass of dq.py): from tl.philox's mul.hi and mul.lo ptxas mostly issues two IMADs a product, here
+    one IMAD.WIDE, a third fewer instructions a call. The first round is written out with c2 = c3 = 0."""
     c0 = (counter & 0xFFFFFFFF).to(gl.uint32)
     c1 = (counter >> 32).to(gl.uint32)
     seed = seed.to(gl.uint64)
@@ -254,7 +252,7 @@ def philox_wide(seed, counter):
 
 @gluon.jit
 def alibi_bias(alibi_log2, rows, cols):
-    """ALiBi's -slope * |i + Sk - Sq - j| in log2 units, as common.alibi_bias: `rows` are query positions
+    """ALiBi's -slope * |i + Sk - Sq - j| in log2 units, as triton.common.alibi_bias: `rows` are query positions
     already shifted by Sk - Sq (bottom-right aligned, so a causal diagonal has no bias), `cols` key positions,
     as a column and a row that broadcast to the tile (a row and a column in dK/dV's keys x queries tile). They
     are subtracted as float32 (exact below 2^24): float subtraction is not reassociated, so the compiler cannot
@@ -265,7 +263,7 @@ def alibi_bias(alibi_log2, rows, cols):
 
 @gluon.jit
 def allocate_kv_ring(k_desc, v_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
-    """The K/V ring (also hopper_dq.py's): STAGES (BLOCK_N, D) tiles of each, a `ready` mbarrier per tile and an
+    """The K/V ring (the forward's and dQ's): STAGES (BLOCK_N, D) tiles of each, a `ready` mbarrier per tile and an
     `empty` one per stage, which each of the CONSUMERS consumer warpgroups arrives at."""
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -282,7 +280,7 @@ def allocate_kv_ring(k_desc, v_desc, STAGES: gl.constexpr, CONSUMERS: gl.constex
 @gluon.jit
 def stream_kv(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, k_row, k_col, v_row, v_col, n_steps,
               ring, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The producer's loop (also hopper_dq.py's): key block i into stage (ring + i) % STAGES once both
+    """The producer's loop (the forward's and dQ's): key block i into stage (ring + i) % STAGES once both
     consumers have released it; K and V signal separately, so Q Kᵀ can start before V has landed. ring: the
     key blocks this program streamed before (0 but in a persistent program)."""
     for i in range(n_steps):
@@ -309,7 +307,7 @@ def persistent_tile(rnd, SCHEDULE, schedule_rounds):
     """This program's tile in round `rnd` of a persistent grid (num_tiles or more: none). With a SCHEDULE
     table (schedule.causal_schedule: the causal forward), the table's; else every other round runs in reverse
     (program p takes tile p, then 2P - 1 - p, ...), so over a causal grid ordered heaviest first a program that
-    took a heavy block takes a light one next (scripts/persistent_grid_sim.py: within 1-2% of an even split)."""
+    took a heavy block takes a light one next (close to an even split: docs/tuning.md, "persistent grids")."""
     pid = gl.program_id(0)
     if SCHEDULE is None:
         num_programs = gl.num_programs(0)
@@ -320,7 +318,7 @@ def persistent_tile(rnd, SCHEDULE, schedule_rounds):
 
 @gluon.jit
 def allocate_query_barriers():
-    """A persistent program's two query buffers' mbarriers (also hopper_dq.py's): `ready` per buffer, which the
+    """A persistent program's two query buffers' mbarriers (the forward's and dQ's): `ready` per buffer, which the
     producer's TMA completes, and `empty`, which both consumer warpgroups arrive at."""
     ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -336,7 +334,7 @@ def producer_persistent(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
                         num_tiles, nheads, group_size, seqlen_q, seqlen_k, SCHEDULE, schedule_rounds,
                         CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr):
-    """A persistent program's producer (also hopper_dq.py's, which passes dO too; the forward passes None): per
+    """A persistent program's producer (the forward's, which passes None for dO, and dQ's): per
     tile, Q (and dO) into one of two buffers once both consumers released it two tiles ago, then the tile's
     K/V blocks into the ring, which runs on across tiles (so the next tile's first blocks load under this
     one's last steps and epilogue)."""

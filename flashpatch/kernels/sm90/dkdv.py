@@ -3,7 +3,7 @@ warpgroups per program, synchronised by mbarriers instead of CTA-wide barriers.
 
 Why: the Triton dK/dV kernel's pipelined loop has two CTA barriers per step (after the copy wait, before a stage is
 refilled), which keep its two warpgroups in lockstep, so neither fills the other's softmax gaps with matmuls
-(NOTES v18: 45% of its issue gaps are barrier waits). Triton 3.6 does not warp-specialize that loop. Here:
+(nearly half of its issue gaps are barrier waits). Triton 3.6 does not warp-specialize that loop. Here:
 
   producer (1 warp):     K, V of the program's 128 keys once; then, per step, TMA loads of the (64, D) tiles of Q
                          and dO and of the step's 64 LSE and delta values into a ring of STAGES buffers, each
@@ -14,7 +14,7 @@ refilled), which keep its two warpgroups in lockstep, so neither fills the other
                          one arrival per consumer) once the next step's Sᵀ is done.
 
 With an fp32 dQ buffer (`fuses_dq`; ops.py passes one where config's `fused_dq` holds) the kernel adds dQ itself, so
-the backward runs five matmuls per tile instead of the separate dQ pass's seven (FA3's form; NOTES.md v47): after
+the backward runs five matmuls per tile instead of the separate dQ pass's seven (FA3's form): after
 issuing dK's matmul, each consumer stores its dS into the step's shared (BM, 128) tile, waits for the other's
 (`ds_full`, the one place the two consumers meet), and multiplies the whole tile by its half of K's columns into a
 (BM, D / 2) fp32 partial, which it leaves in the step's dQ slot; and a fourth partition does the reduce:
@@ -23,22 +23,22 @@ issuing dK's matmul, each consumer stores its dS into the step's shared (BM, 128
                          the fp32 dQ; the slot is handed back (`dq_empty`) once those reduces have read it.
 
 LSE and delta come through the ring rather than by loads of the consumers: loaded at the top of a step, they were
-needed before the step's first matmul could be issued, and every step waited for them (Nsight Compute, d64 causal
-n8192: 9% of all stall samples at the multiply that scales the LSE, NOTES.md v40). Where in the step the consumers
+needed before the step's first matmul could be issued, and every step waited for them (a tenth of Nsight Compute's
+stall samples sat at the multiply that scales the LSE). Where in the step the consumers
 read them from shared memory depends on the head dim (`lse_first`: at 128, apart, to keep the registers from
 spilling).
 
 Without the fused dQ the two consumers never wait for each other, only for the producer, so one's softmax runs under
 the other's matmuls (the Triton kernel's CTA barriers forbid that); with it they meet once a step, after both
 softmaxes. dK and dV are waited for at the end of each step: leaving them in flight into the next made ptxas
-serialize the matmuls (warning C7515) and measured 15-20% slower (NOTES.md v19).
+serialize the matmuls (warning C7515) and measured slower (docs/tuning.md, "Gluon dK/dV").
 
 With dropout (head dim 128) the keep bits come from warps of their own, so that the Philox arithmetic runs beside
-the consumers' matmuls and softmax rather than inside them (NOTES.md v51, v52):
+the consumers' matmuls and softmax rather than inside them:
 
   drawer w (2 warps):    per step, the Philox calls of consumer w's (64 keys, 64 queries) tile, at the counters of
-                         common.dropout_keep (the forward's bits), packed into one 32-bit word per consumer thread
-                         and written into a ring of STAGES slots (one with the fused dQ, whose shared memory is
+                         triton.common.dropout_keep (the forward's bits), packed into one 32-bit word per consumer
+                         thread and written into a ring of STAGES slots (one with the fused dQ, whose shared memory is
                          otherwise full; `keep_full` / `keep_empty`); the consumer turns its word into the keep tile
                          of its registers (`_keep_tile`), and its causal mask comes from lane and register bits
                          (`_visible_tile`). The kernel then runs 16 warps. With the fused dQ, the dS it multiplies
@@ -71,7 +71,7 @@ from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_ro
 BLOCK_M = {64: 64, 128: 64}  # queries per step, by head dim
 HALF_N = 64  # keys per consumer warpgroup
 BLOCK_N = 2 * HALF_N  # keys per program
-STAGES = 2  # Q/dO ring depth (3 within noise: scripts/gluon_check.py)
+STAGES = 2  # Q/dO ring depth (3 within noise)
 MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
 PRODUCER_REGISTERS = 24  # the producer warp's setmaxnreg count (its warpgroup's; the least setmaxnreg takes)
 # With dropout two drawer partitions of two warps each (`_keep_drawer`) join the producer warp: 13 warps, launched
@@ -83,20 +83,23 @@ DRAWER_REGISTERS = 24
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
+
 @gluon.jit
 def _next_step(g, m0, m_lo, m_end, BLOCK_M: gl.constexpr):
     """The (head in the GQA group, first query row) after step (g, m0): the next query block of the head, or
     the next head's first (m_lo). Carried through the loop instead of derived from the step count, whose
-    integer division each step cost ~3% of the samples (NOTES.md v40)."""
+    integer division each step cost a few percent of the samples."""
     m0 += BLOCK_M
     wrap = m0 >= m_end
     return gl.where(wrap, g + 1, g), gl.where(wrap, m_lo, m0)
+
 
 @gluon.jit
 def _causal_mask(p_t, offs_n, offs_m, last_key_of_first_query):
     """Pᵀ with the scores of keys after each query's last visible one zeroed (bottom-right aligned: key n is
     visible from query m0 + j when n <= m0 + j + Sk - Sq)."""
     return gl.where(offs_n[:, None] <= last_key_of_first_query + offs_m[None, :], p_t, 0.0)
+
 
 # Dropout. A consumer's step tile is (HALF_N, BLOCK_M) = (64 keys, 64 queries), and in the wgmma accumulator
 # layout a thread holds 32 of its scores: key bit 3 and query bits 0, 3, 4, 5 vary over its registers, the other
@@ -120,6 +123,7 @@ KEEP_KEY_HI, KEEP_KEY3, KEEP_KEY_LO, KEEP_QUERY_HI, KEEP_QUERY_MID, KEEP_QUERY0 
 KEEP_DRAW = gl.constexpr(gl.BlockedLayout([1, 1, 1], [2, 4, 4], [2, 1, 1], [2, 1, 0]))
 KEEP_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))  # a slot's (4, 8, 4) words, row-major
 
+
 @gluon.jit
 def _register_dims():
     """KEEP_TILE6's register dimensions as (1, 2, 1, 1, 1, 1), (1, 1, 1, 8, 1, 1), (1, 1, 1, 1, 1, 2) aranges: key
@@ -128,6 +132,7 @@ def _register_dims():
     query_hi = gl.arange(0, 8, layout=KEEP_QUERY_HI)[None, None, None, :, None, None]
     query0 = gl.arange(0, 2, layout=KEEP_QUERY0)[None, None, None, None, None, :]
     return key3, query_hi, query0
+
 
 @gluon.jit
 def _keep_tile(word, like):
@@ -138,6 +143,7 @@ def _keep_tile(word, like):
     bits = (word[:, None, :, None, :, None] >> bit) & 1
     bits = gl.reshape(bits, [like.shape[0], like.shape[1]])
     return gl.convert_layout(bits, like.type.layout, assert_trivial=True) != 0
+
 
 @gluon.jit
 def _visible_tile(like, limit):
@@ -154,14 +160,16 @@ def _visible_tile(like, limit):
     visible = gl.reshape(visible, [like.shape[0], like.shape[1]])
     return gl.convert_layout(visible, like.type.layout, assert_trivial=True)
 
+
 # One Philox call's eight decisions shifted into the two threads' words (low halves: key bit 0 = 0, high halves: 1),
 # word r3 first, so that after the step's eight calls call c's word k sits at bit 4c + k. A decision h >= t is the
 # carry out of h * 2^16 + (2^32 - t * 2^16), which `addc` shifts in: two or three instructions a decision, against
-# five for an extract, compare, select, shift and OR (NOTES.md v53). $0, $1: the words out; $2..$5: r0..r3;
+# five for an extract, compare, select, shift and OR. $0, $1: the words out; $2..$5: r0..r3;
 # $6: 2^32 - t * 2^16; $7, $8: the words in.
 _SHIFT_IN_ASM = gl.constexpr(carry_shift_in_ptx(
     [(r, half, out, word_in if r == "$5" else out)
      for r in ("$5", "$4", "$3", "$2") for half, out, word_in in (("lo", "$0", "$7"), ("hi", "$1", "$8"))], "$6"))
+
 
 @gluon.jit
 def _shift_in_call(lo, hi, r0, r1, r2, r3, carry_addend):
@@ -170,14 +178,15 @@ def _shift_in_call(lo, hi, r0, r1, r2, r3, carry_addend):
                                      [r0, r1, r2, r3, carry_addend, lo, hi], dtype=(gl.uint32, gl.uint32),
                                      is_pure=True, pack=1)
 
+
 @gluon.jit
 def _keep_drawer(args, WG: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr):
     """Consumer WG's keep words, step by step, into its ring of slots (`keep_full` / `keep_empty`),
-    drawn by common.dropout_keep's counters so that the bits are the forward's: a Philox call decides the eight
+    drawn by triton.common.dropout_keep's counters so that the bits are the forward's: a Philox call decides the eight
     pairs that differ in query bit 3 and key bits 0 and 3, i.e. four decisions for each of two consumer threads
     (key bit 0 is a lane bit of the transposed tile), so each lane of the drawer's two warps runs the eight
     calls of one such thread pair (query bits 0, 4, 5) and writes the pair's two words. Warps of its own, so that
-    the integer work runs beside the consumers' matmuls and softmax instead of inside them (NOTES.md v51)."""
+    the integer work runs beside the consumers' matmuls and softmax instead of inside them."""
     (keep_bufs, keep_full, keep_empty, SEED_OFFSET, dropout_p, off_b, nheads, off_h0, seqlen_q, seqlen_k, n0,
      m_lo, m_end, total) = args
     SLOTS: gl.constexpr = keep_bufs.shape[0] // 2  # each consumer's
@@ -212,6 +221,7 @@ def _keep_drawer(args, WG: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.const
         mbarrier.arrive(keep_full.index(s))
         g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
 
+
 @gluon.jit
 def _producer(args, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs,
@@ -238,6 +248,7 @@ def _producer(args, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
         tma_load(lse_desc, [rows], bar, lse_bufs.index(s))
         tma_load(delta_desc, [rows], bar, delta_bufs.index(s))
         g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
+
 
 @gluon.jit
 def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, ALIBI_SLOPES,
@@ -313,6 +324,7 @@ def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, rea
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))  # not carried into the next step: see the docstring
     return warpgroup_mma_init(dk), warpgroup_mma_init(dv)
 
+
 @gluon.jit
 def _fused_dq(i, ds_bf, dk, dv, dq_parts, WG: gl.constexpr):
     """dQ's share of step i, with the step's dK and dV matmuls in flight; returns them waited for. The step's
@@ -336,7 +348,7 @@ def _fused_dq(i, ds_bf, dk, dv, dq_parts, WG: gl.constexpr):
     gl.thread_barrier()  # every thread's write done before the other consumer is told
     mbarrier.arrive(ds_full.index(slot))
     # dK and dV done first: with them and their register operands in flight beside dQ's accumulator, ptxas
-    # serialized the matmuls (C7512, v46)
+    # serialized the matmuls (warning C7512)
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HALF_D, 16])  # (queries, D / 2)
@@ -351,6 +363,7 @@ def _fused_dq(i, ds_bf, dk, dv, dq_parts, WG: gl.constexpr):
     gl.thread_barrier()  # every thread's write done before the reducer is told
     mbarrier.arrive(dq_full.index(slot))
     return dk, dv
+
 
 @gluon.jit
 def _dq_reducer(args, BLOCK_M: gl.constexpr):
@@ -373,6 +386,7 @@ def _dq_reducer(args, BLOCK_M: gl.constexpr):
         mbarrier.arrive(dq_empty.index((i + 1) % 2), pred=i > 0)
         g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
     tma.store_wait(0)  # every reduce has read its slot before the program's shared memory goes
+
 
 @gluon.jit
 def _consumer(args, ALIBI_SLOPES, dq_parts, keep_parts, WG: gl.constexpr, CAUSAL: gl.constexpr,
@@ -405,7 +419,7 @@ def _consumer(args, ALIBI_SLOPES, dq_parts, keep_parts, WG: gl.constexpr, CAUSAL
         v_s = v_s.load(operand)
     if CAUSAL and REG_KV:
         # With K and V in registers a branch on the mask inside the step miscompiled (wrong dK and dV, no ptxas
-        # warning; NOTES.md v40, v41), so each head's steps run as two loops: those that cross the diagonal
+        # warning), so each head's steps run as two loops: those that cross the diagonal
         # (j < n_diag: some of the warpgroup's keys hidden from some queries) with the mask, then the rest
         # without it.
         n_mblocks = (m_end - m_lo) // BLOCK_M
@@ -443,6 +457,7 @@ def _consumer(args, ALIBI_SLOPES, dq_parts, keep_parts, WG: gl.constexpr, CAUSAL
         dv = dv * keep_parts[3]  # the kept Pᵀ dO, times 1 / (1 - p)
     gl.store(DV + dv_base + offs_key[:, None] * stride_dvs + offs_d[None, :], dv.to(dtype))
 
+
 @gluon.jit
 def attn_bwd_dkdv_hopper_kernel(
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, DK, DV, ALIBI_SLOPES, SEED_OFFSET,
@@ -456,7 +471,7 @@ def attn_bwd_dkdv_hopper_kernel(
 ):
     BLOCK_N: gl.constexpr = 2 * HALF_N
     num_n = gl.cdiv(seqlen_k, BLOCK_N)
-    # Triton's 1-D grid order (common.py); causal: the first key blocks see the most queries
+    # Triton's 1-D grid order (triton/common.py); causal: the first key blocks see the most queries
     off_bhk, pid_n = head_and_block(num_n, True, HEAD_GROUP)
     off_b = off_bhk // nheads_k
     off_hk = off_bhk % nheads_k
@@ -583,25 +598,20 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
 def register_kv(headdim: int) -> bool:
     """Whether `_consumer` holds its K and V rows in registers, so that the K Qᵀ and V dOᵀ matmuls read only Qᵀ
     and dOᵀ from shared memory (from shared memory, an m64n64 wgmma needs both operands' 4 KB per 32 cycles, the
-    shared memory's whole 128 B per cycle). At head dim 64 that is 32 registers a thread (round 28, H200, GPU kernel
-    time: d64 causal n4096 dK/dV 1.487 -> 1.442 ms); at head dim 128, 64 registers, and the kernel spills (404-688 B
-    a thread where it spilled 72). Under the causal mask it runs as two loops per head (`_consumer`; NOTES.md v42),
-    since skipping the mask by a branch inside the step miscompiled with K and V in registers (v40, v41): H100, d64
-    causal dK/dV n8192 2.14-2.15 -> 1.95 ms, the 121M recipe's shape 0.237-0.240 -> 0.216 against K and V read from
-    shared memory with that branch; without a mask, 3.75-3.83 against 4.08-4.18 (n8192)."""
+    shared memory's whole 128 B per cycle). At head dim 64 that is 32 registers a thread; at head dim 128, 64
+    registers, and the kernel spills. Under the causal mask it runs as two loops per head (`_consumer`), since
+    skipping the mask by a branch inside the step miscompiled with K and V in registers (docs/tuning.md, "Gluon
+    dK/dV")."""
     return headdim <= 64
 
 
 def lse_first(headdim: int) -> bool:
     """Whether `_step` reads its LSE values before issuing the step's two matmuls and its delta values only after
-    issuing dV's, rather than both right after the two matmuls. At head dim 128 a consumer's 232 registers (248 for
-    the default partition's; 240 each since v44) hold dK and dV (128) besides Sᵀ and dPᵀ (64), and LSE and delta
-    live side by side (32 more) made ptxas spill 36 B a thread (96 B under the causal mask, loop counters among
-    them); the waits on those values' shared-memory reads, queued behind the matmuls' issue, and on the spills'
-    reloads were 10-15% of Nsight Compute's stall samples (NOTES.md v43). Read apart, the spills drop to 12 B (32 B
-    causal) and d128 dK/dV takes 4-14% less time (H200: n8192 3.54 -> 3.14 ms, causal 1.68 -> 1.61, the 1B shape
-    0.149 -> 0.134). At head dim 64 nothing spills, and the early read only delays the matmuls' issue: unmasked n8192
-    3.84 -> 4.17 ms."""
+    issuing dV's, rather than both right after the two matmuls. At head dim 128 a consumer's registers hold dK and dV
+    (128) besides Sᵀ and dPᵀ (64), and LSE and delta live side by side (32 more) made ptxas spill, and the waits on
+    those values' shared-memory reads (queued behind the matmuls' issue) and on the spills' reloads were a tenth of
+    Nsight Compute's stall samples; read apart, the spills almost vanish and dK/dV is faster. At head dim 64 nothing
+    spills, and the early read only delays the matmuls' issue (docs/tuning.md, "Gluon dK/dV")."""
     return headdim > 64
 
 
@@ -614,11 +624,10 @@ def worker_registers(dropout: bool) -> int:
 def consumer_registers(headdim: int, dropout: bool = False) -> int:
     """The registers a thread that setmaxnreg gives the worker consumer warpgroup; the default partition's consumer
     gets what the producer warp (PRODUCER_REGISTERS) and this one leave of the MAXNREG x 12 warps the kernel is
-    launched with (`default_consumer_registers`): at 240 both consumers hold 240. At head dim 128 that took ptxas's
-    spills from 12 B to 0 (32 to 16 B causal) against 232 / 248, with GPU kernel time within 2% (H100: the 1B shape
-    0.134 -> 0.131 ms, GQA n2048 0.420 -> 0.427; NOTES.md v44); head dim 64 spills nothing either way and keeps
-    232. With dropout (16 warps of MAXNREG_DROPOUT) the producer's and the drawers' two warpgroups take
-    DRAWER_REGISTERS each, and the consumers split the rest evenly (232 each)."""
+    launched with (`default_consumer_registers`): at 240 both consumers hold 240, where at head dim 128 ptxas
+    spills nothing (and GPU time ties with 232 / 248); head dim 64 spills nothing either way and keeps 232. With
+    dropout (16 warps of MAXNREG_DROPOUT) the producer's and the drawers' two warpgroups take DRAWER_REGISTERS each,
+    and the consumers split the rest evenly (232 each). options.KernelOptions.dkdv_consumer_registers forces it."""
     if dropout:
         return (4 * MAXNREG_DROPOUT - 2 * worker_registers(True)) // 16 * 8
     return 240 if headdim > 64 else 232
@@ -642,7 +651,7 @@ def launch_maxnreg(dropout: bool) -> int:
 def fuses_dq(headdim: int) -> bool:
     """Whether the kernel can add dQ into an fp32 buffer itself (`_fused_dq`, `_dq_reducer`): head dim 128, where
     K is read from shared memory (at 64 it is held in registers, `register_kv`), and a Triton whose Gluon can issue
-    TMA reduce-adds (hopper_common.TMA_REDUCE). With dropout too: the keep words' ring then has one slot per
+    TMA reduce-adds (common.TMA_REDUCE). With dropout too: the keep words' ring then has one slot per
     consumer (1 KB; the shared memory is all but full), released once the step's dS is shared (`_step`)."""
     return TMA_REDUCE and not register_kv(headdim)
 

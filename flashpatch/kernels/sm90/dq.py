@@ -1,4 +1,4 @@
-"""dQ for Hopper (sm_90) in Gluon, warp-specialized like hopper_fwd.py and hopper_dkdv.py.
+"""dQ for Hopper (sm_90) in Gluon, warp-specialized like fwd.py and dkdv.py.
 
   producer (1 warp):     Q and dO of the program's 128 queries once; then, per step, TMA loads of a (BLOCK_N, D)
                          tile of K and one of V into a ring of STAGES buffers, each with its own `ready` mbarrier.
@@ -7,9 +7,9 @@
                          once dS K is done. With dropout, the keep bits of the step are drawn while the two
                          matmuls run (`dropout_keep_acc`) and dP becomes dP · Z / (1 - p).
 
-Reads the LSE (natural log) and delta = rowsum(dO * O) that the forward and backward.py's preprocess kernel wrote.
-Its programs, K/V ring and producer loop are the forward's (hopper_fwd.py). Scope: `supported`, the forward's and
-dropout (the Gluon forward has none: drawn there, the keep bits cost more than in the Triton forward, NOTES.md v23).
+Reads the LSE (natural log) and delta = rowsum(dO * O) that the forward and triton/backward.py's preprocess kernel
+wrote. Its programs, K/V ring and producer loop are the forward's (common.py). Scope: `supported`, the forward's and
+dropout, drawn in the consumers' registers under the step's two matmuls.
 A persistent grid (`_persistent_dq`), as the forward's, where config.persistent_grid chooses it (rows of at most 8
 query blocks, when dK/dV does not run beside it).
 """
@@ -38,10 +38,9 @@ STAGES = 2  # K/V ring depth
 MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
 
 
-
 @gluon.jit
 def dropout_keep_acc(seed, offset, rows0, n0, seqlen_k, dropout_p, like):
-    """common.dropout_keep's (BLOCK_M, BLOCK_N) keep tile, bit for bit, in the shape and layout of `like`, a
+    """triton.common.dropout_keep's (BLOCK_M, BLOCK_N) keep tile, bit for bit, in the shape and layout of `like`, a
     wgmma accumulator (rows0 = dropout_head_rows(...) + m0 // 2).
 
     Each Philox call decides the eight (query, key) pairs that differ in query bit 3 and key bits 0 and 3, and
@@ -64,9 +63,10 @@ def dropout_keep_acc(seed, offset, rows0, n0, seqlen_k, dropout_p, like):
     counter, _ = gl.split(counter)  # i3 = 0
     counter, _ = gl.split(counter)  # j3 = 0
     counter, _ = gl.split(counter)  # j0 = 0: (BM / 16, 8, BN / 16, 4), one counter per call
-    r0, r1, r2, r3 = philox_wide(seed, counter)  # common.keep_tile's words, with fewer instructions
+    r0, r1, r2, r3 = philox_wide(seed, counter)  # triton.common.keep_tile's words, fewer instructions
     keep = keep_from_words(r0, r1, r2, r3, dropout_p, BLOCK_M, BLOCK_N)  # its joins undo the splits and reshape
     return gl.convert_layout(keep, layout, assert_trivial=True)
+
 
 @gluon.jit
 def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty,
@@ -77,6 +77,7 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_buf
     tma_load(do_desc, [do_row, do_col], qdo_bar, do_smem)
     stream_kv(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, k_row, k_col, v_row, v_col, n_steps, 0,
               BLOCK_N, STAGES)
+
 
 @gluon.jit
 def _dq_step(i, ring, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta, offs_m,
@@ -110,6 +111,7 @@ def _dq_step(i, ring, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, ze
     mbarrier.arrive(empty.index(s))
     return dq
 
+
 @gluon.jit
 def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_bar, DQ, LSE, DELTA, dq_base,
                  stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale, alibi_log2,
@@ -136,6 +138,7 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_b
                    dropout_p, DROPOUT, ALIBI, BLOCK_N, STAGES, False)
     _dq_store(dq, DQ, dq_base, stride_dqs, m0 + WG * HALF_M, softmax_scale, q_s.dtype, HEADDIM, HALF_M)
 
+
 @gluon.jit
 def _dq_block(dq, q_s, do_s, qdo_bar, qdo_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2,
               delta, offs_m, offs_n, shift, n_full, n_steps, qk_scale, alibi_log2, seed, offset, drop_rows,
@@ -144,7 +147,7 @@ def _dq_block(dq, q_s, do_s, qdo_bar, qdo_phase, ring, k_bufs, v_bufs, ready_k, 
     """A consumer warpgroup's query rows offs_m, once their Q and dO have landed (qdo_bar's phase qdo_phase): the
     key blocks below the diagonal without a mask, then the masked ones, from the K/V ring's slot `ring` on;
     returns dq (unscaled) for `_dq_store`. ONE_LOOP: one loop that picks the masked step per block, for the
-    persistent kernel (hopper_fwd._fwd_block says why)."""
+    persistent kernel (fwd._fwd_block_pipelined says why)."""
     mbarrier.wait(qdo_bar, qdo_phase)
     if ONE_LOOP:
         for i in range(0, n_steps):
@@ -167,6 +170,7 @@ def _dq_block(dq, q_s, do_s, qdo_bar, qdo_phase, ring, k_bufs, v_bufs, ready_k, 
                           dropout_p, True, DROPOUT, ALIBI, BLOCK_N, STAGES)
     return dq
 
+
 @gluon.jit
 def _dq_store(dq, DQ, dq_base, stride_dqs, row0, softmax_scale, dtype: gl.constexpr, HEADDIM: gl.constexpr,
               HALF_M: gl.constexpr):
@@ -175,6 +179,7 @@ def _dq_store(dq, DQ, dq_base, stride_dqs, row0, softmax_scale, dtype: gl.conste
     rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
     offs_d = gl.arange(0, HEADDIM, layout=gl.SliceLayout(0, o_layout))
     gl.store(DQ + dq_base + rows[:, None] * stride_dqs + offs_d[None, :], (dq * softmax_scale).to(dtype))
+
 
 @gluon.jit
 def _dq_consumer_persistent(q_bufs, do_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_ready, qdo_empty, DQ,
@@ -222,6 +227,7 @@ def _dq_consumer_persistent(q_bufs, do_bufs, k_bufs, v_bufs, ready_k, ready_v, e
             ring += n_steps
             done += 1
 
+
 @gluon.jit
 def _persistent_dq(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, SEED_OFFSET, ALIBI_SLOPES, q_rows, q_cols,
                    do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, stride_dqb, stride_dqs, stride_dqh,
@@ -252,6 +258,7 @@ def _persistent_dq(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, SEED_OFFSET,
                                k_rows, k_cols, v_rows, v_cols, num_tiles, nheads, group_size, seqlen_q,
                                seqlen_k, None, 0, CAUSAL, 2 * HALF_M, BLOCK_N, STAGES, HEAD_GROUP)),
     ], [4, 1], [232, 24])
+
 
 @gluon.jit
 def attn_bwd_dq_hopper_kernel(
@@ -305,7 +312,7 @@ def attn_bwd_dq_hopper_kernel(
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, varlen: bool,
               max_seqlen_q: int, max_seqlen_k: int, window_left: int, window_right: int, softcap: float,
               dropout_p: float) -> bool:
-    """hopper_common.sm90_dense_ok, with dropout, and lengths that divide the tiles (the 2-D TMA views run on into
+    """common.sm90_dense_ok, with dropout, and lengths that divide the tiles (the 2-D TMA views run on into
     the next head's rows)."""
     return (sm90_dense_ok(q, k, v, dout, varlen=varlen, window_left=window_left, window_right=window_right,
                           softcap=softcap, dropout_p=dropout_p, with_dropout=True)
@@ -331,7 +338,7 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
     persistent = options.persistent_dq
     if persistent is None:
         persistent = persistent_grid("dq", num_m, headdim, beside_dkdv)
-    if persistent:  # as hopper_fwd.attn_fwd's
+    if persistent:  # as fwd.attn_fwd's
         grid = (min(num_tiles, sm_count(q.device)),)
         order = 0 if causal else order
     else:

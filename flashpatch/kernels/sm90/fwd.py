@@ -1,5 +1,5 @@
-"""Forward attention for Hopper (sm_90) in Gluon, warp-specialized like hopper_dkdv.py: one producer warp and two
-consumer warpgroups per program (three at head dim 64: CONSUMERS_BY_HEADDIM), synchronised by mbarriers.
+"""Forward attention for Hopper (sm_90) in Gluon, warp-specialized like dkdv.py: one producer warp and two consumer
+warpgroups per program (three at head dim 64: CONSUMERS_BY_HEADDIM), synchronised by mbarriers.
 
   producer (1 warp):     Q of the program's 128 (192) queries once; then, per step, TMA loads of a (BLOCK_N, D)
                          tile of K and one of V into a ring of STAGES buffers, each with its own `ready` mbarrier,
@@ -8,28 +8,27 @@ consumer warpgroups per program (three at head dim 64: CONSUMERS_BY_HEADDIM), sy
                          (running max m, running sum l), O = O · exp2(m_old - m) + P V; the stage is released
                          (`empty`, one arrival per consumer) once P V is done.
 
-No consumer waits for another, so one's softmax runs under the others' matmuls. (FA3's intra-warpgroup
-skew, block i's softmax under block i-1's P V, measured 0-8% slower on top of that: NOTES.md v19.) Causal masks
-are bottom-right aligned; the steps that cross the diagonal run a masked copy of the step, the others none. ALiBi
-slopes, when given (ALIBI), add -slope * |i + Sk - Sq - j| to every step's scores (`alibi_bias`). LSE is
-stored in natural log, +inf for a row that sees no key (its output is 0), as the Triton forward does (forward.py),
-so both backward kernels take it. Scope: `supported` (with three consumers the last query block may run past the
-rows, which TMA fills from the next head's rows or with zeros, and the stores skip).
+No consumer waits for another, so one's softmax runs under the others' matmuls (FA3's intra-warpgroup skew on top of
+that measured slower). Causal masks are bottom-right aligned; the steps that cross the diagonal run a masked copy of
+the step, the others none. ALiBi slopes, when given (ALIBI), add -slope * |i + Sk - Sq - j| to every step's scores
+(`alibi_bias`). LSE is stored in natural log, +inf for a row that sees no key (its output is 0), as the Triton
+forward does (triton/forward.py), so both backward kernels take it. Scope: `supported` (with three consumers the
+last query block may run past the rows, which TMA fills from the next head's rows or with zeros, and the stores
+skip).
 
 A persistent grid (`_persistent_fwd`, where config.persistent_grid chooses it: head dim 128) launches one program per
-SM instead, each looping over query blocks, so that a block's Q load and first K/V blocks run under the
-previous block's steps (NOTES.md v32). Under a causal mask its programs take their blocks from a table built on the
-host (schedule.causal_schedule: head groups kept together for L2, the load balanced, NOTES.md v56). Its consumers'
-loop is pipelined by one matmul (`_fwd_block_lazy`, NOTES.md v57): a step issues the previous block's P V and then its
-own S = Q Kᵀ and waits for both, so the tensor core runs them back to back.
+SM instead, each looping over query blocks, so that a block's Q load and first K/V blocks run under the previous
+block's steps. Under a causal mask its programs take their blocks from a table built on the host
+(schedule.causal_schedule: head groups kept together for L2, the load balanced). Its consumers' loop is pipelined by
+one matmul (`_fwd_block_pipelined`): a step issues the previous block's P V and then its own S = Q Kᵀ and waits for
+both, so the tensor core runs them back to back. docs/tuning.md ("Gluon forward") has the measurements.
 
-With dropout (head dim 128, one program per query block) the keep bits come from warps of their own, as in
-hopper_dkdv.py's backward, so that the Philox arithmetic runs beside the consumers' matmuls and softmax (NOTES.md
-v54, v55):
+With dropout (head dim 128, one program per query block) the keep bits come from warps of their own, as in dkdv.py's
+backward, so that the Philox arithmetic runs beside the consumers' matmuls and softmax:
 
   drawer w (4 warps):    per step, the Philox calls of consumer w's (64 queries, 128 keys) tile at the counters of
-                         common.dropout_keep (the bits every kernel draws), eight decisions a call shifted into two
-                         32-bit words per consumer thread, into a ring of KEEP_SLOTS slots (`keep_full` /
+                         triton.common.dropout_keep (the bits every kernel draws), eight decisions a call shifted into
+                         two 32-bit words per consumer thread, into a ring of KEEP_SLOTS slots (`keep_full` /
                          `keep_empty`); the consumer expands its words in registers (`_fwd_keep_tile`) and zeroes the
                          dropped weights of P before P V, after the running sum has counted them.
 """
@@ -56,8 +55,7 @@ HALF_M = 64  # queries per consumer warpgroup
 BLOCK_M = 2 * HALF_M  # queries per program with two consumer warpgroups
 # Consumer warpgroups per program (one program per query block; the persistent grid keeps two): FA3 runs head dim 64
 # with three, 192 queries per program, so that two warpgroups' matmuls cover the third's softmax, which at head dim
-# 64 costs as much as its matmuls (scripts/gluon_check.py "+c3").
-# Measured (NOTES.md v36): d64 forward 12-14% faster without a mask, 7-13% with one (H200).
+# 64 costs as much as its matmuls (docs/tuning.md, "Gluon forward").
 CONSUMERS_BY_HEADDIM = {64: 3, 128: 2}
 BLOCK_N = 128  # keys per step
 STAGES = 2  # K/V ring depth
@@ -72,9 +70,9 @@ KEEP_SLOTS = 2  # each consumer's ring of keep words
 
 # Dropout. A consumer's step tile S is (HALF_M, BLOCK_N) = (64 queries, 128 keys). In the wgmma accumulator layout
 # a thread holds query bit 3 and key bits 0, 3, 4, 5, 6 in its registers, so the eight decisions of a Philox call
-# (query bit 3, key bits 0 and 3: common.dropout_keep) all land in one thread, eight calls a step (key >> 4). They
-# come from the consumer's drawer as two 32-bit words per consumer thread: decision (query bit 3, key) is word
-# key >> 6's bit
+# (query bit 3, key bits 0 and 3: triton.common.dropout_keep) all land in one thread, eight calls a step
+# (key >> 4). They come from the consumer's drawer as two 32-bit words per consumer thread: decision (query bit 3,
+# key) is word key >> 6's bit
 #     8 * ((key >> 4) & 3) + 2 * (2 * query bit 3 + key bit 3) + key bit 0,
 # the order in which the drawer shifts them in (`_shift_in_call`).
 # FWD_KEEP_TILE8 is S as (query >> 4, query bit 3, query & 7, key >> 6, (key >> 4) & 3, key bit 3, (key >> 1) & 3,
@@ -94,18 +92,20 @@ _KEEP_SLOTS = gl.constexpr(KEEP_SLOTS)  # as the kernel reads it
 
 # One Philox call's eight decisions shifted into a word, r3's high half first and r0's low half last, so that
 # after four calls call c's decision (output word k, half h) sits at bit 8 (c & 3) + 2 k + h. A decision
-# half >= t is the carry out of half * 2^16 + (2^32 - t * 2^16), which `addc` shifts in (hopper_dkdv.py's
+# half >= t is the carry out of half * 2^16 + (2^32 - t * 2^16), which `addc` shifts in (dkdv.py's
 # drawers do the same for two words at once). $0: the word out; $1..$4: r0..r3; $5: 2^32 - t * 2^16; $6: the
 # word in.
 _SHIFT_IN_ASM = gl.constexpr(carry_shift_in_ptx(
     [(r, half, "$0", "$6" if (r, half) == ("$4", "hi") else "$0") for r in ("$4", "$3", "$2", "$1")
      for half in ("hi", "lo")], "$5"))
 
+
 @gluon.jit
 def _shift_in_call(word, r0, r1, r2, r3, carry_addend):
     """`_SHIFT_IN_ASM`: one call's decisions shifted into `word`."""
     return gl.inline_asm_elementwise(_SHIFT_IN_ASM, "=&r,r,r,r,r,r,r", [r0, r1, r2, r3, carry_addend, word],
                                      dtype=gl.uint32, is_pure=True, pack=1)
+
 
 @gluon.jit
 def _fwd_keep_drawer(args, WG: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -141,6 +141,7 @@ def _fwd_keep_drawer(args, WG: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.c
         gl.thread_barrier()  # every lane's words written before the consumer is told
         mbarrier.arrive(keep_full.index(s))
 
+
 @gluon.jit
 def _draw_index(n: gl.constexpr, DIM: gl.constexpr, DRAW: gl.constexpr):
     """arange(0, n) along dimension DIM of the drawer's 4-D layout DRAW, the other three dimensions of size 1."""
@@ -155,6 +156,7 @@ def _draw_index(n: gl.constexpr, DIM: gl.constexpr, DRAW: gl.constexpr):
         return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, DRAW))))[
             None, None, None, :]
 
+
 @gluon.jit
 def _fwd_keep_tile(words, like):
     """The step's (HALF_M, BLOCK_N) keep tile in the layout of `like` (the consumer's S) from the consumer
@@ -168,6 +170,7 @@ def _fwd_keep_tile(words, like):
     bits = gl.reshape(bits, [like.shape[0], like.shape[1]])
     return gl.convert_layout(bits, like.type.layout, assert_trivial=True) != 0
 
+
 @gluon.jit
 def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
                   q_row, q_col, k_row, k_col, v_row, v_col, n_steps,
@@ -178,6 +181,7 @@ def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready
         tma_load(q_desc, [q_row + t * q_desc.block_type.shape[0], q_col], q_bar, q_smem.index(t))
     stream_kv(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, k_row, k_col, v_row, v_col, n_steps, 0,
               BLOCK_N, STAGES)
+
 
 @gluon.jit
 def _fwd_step(i, ring, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
@@ -212,6 +216,7 @@ def _fwd_step(i, ring, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, emp
         mbarrier.arrive(keep_empty.index(keep_slot))
     return acc, m_new, l_i
 
+
 @gluon.jit
 def _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2, MASKED: gl.constexpr,
                     ALIBI: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr):
@@ -239,6 +244,7 @@ def _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2
     p = gl.exp2(scores * scale - m_safe[:, None])
     return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
+
 @gluon.jit
 def _fwd_consumer(q_s, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base, stride_os, lse_base,
                   m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q,
@@ -258,6 +264,7 @@ def _fwd_consumer(q_s, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o
                                ALIBI, FOLD, keep_parts, WG, DROPOUT)
     _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, m0 + WG * HALF_M, seqlen_q,
                   q_s.dtype, HEADDIM, HALF_M, keep_fraction, DROPOUT)
+
 
 @gluon.jit
 def _fwd_block(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift,
@@ -335,12 +342,13 @@ def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, rea
         mbarrier.arrive(empty.index(last))
     return acc, m_i, l_i
 
+
 @gluon.jit
 def _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_full, shift, qk_scale, alibi_log2,
                   dtype: gl.constexpr, a_layout: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
                   FOLD: gl.constexpr):
-    """`_fwd_block_pipelined`'s step after its wait: block i's scores into P (the next P V's A operand: dtype, a_layout),
-    masked past the first n_full blocks, and acc rescaled by the running max's change."""
+    """`_fwd_block_pipelined`'s step after its wait: block i's scores into P (the next P V's A operand: dtype,
+    a_layout), masked past the first n_full blocks, and acc rescaled by the running max's change."""
     if i < n_full:
         p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2, False,
                                              ALIBI, BLOCK_N, FOLD)
@@ -349,6 +357,7 @@ def _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_full, shift, qk_s
                                              ALIBI, BLOCK_N, FOLD)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
     return gl.convert_layout(p.to(dtype), a_layout), acc, m_i, l_i
+
 
 @gluon.jit
 def _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, row0, seqlen_q,
@@ -406,6 +415,7 @@ def _fwd_consumer_persistent(q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_
                           q_s.dtype, HEADDIM, HALF_M, 1.0, False)
             ring += n_steps
             done += 1
+
 
 @gluon.jit
 def attn_fwd_hopper_kernel(
@@ -489,6 +499,7 @@ def attn_fwd_hopper_kernel(
                              BLOCK_N, STAGES, Q_TILES)),
         ], [4, 1], [232, 24])
 
+
 @gluon.jit
 def _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,
                     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
@@ -533,7 +544,7 @@ def dropout_registers() -> tuple[int, int, int]:
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool, max_seqlen_q: int,
               max_seqlen_k: int, window_left: int, window_right: int, softcap: float, dropout_p: float) -> bool:
-    """Whether this kernel covers the call (hopper_common.sm90_dense_ok, dropout at head dim 128, and lengths that
+    """Whether this kernel covers the call (common.sm90_dense_ok, dropout at head dim 128, and lengths that
     divide 128: the 2-D TMA views run on into the next head's rows, which only the three-consumer form's 192-query
     blocks, whose stores are masked, may read)."""
     return (sm90_dense_ok(q, k, v, varlen=varlen, window_left=window_left, window_right=window_right,
@@ -546,7 +557,7 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     """out (B, Sq, H, D) and lse (B, H, Sq, float32, natural log) for a call `supported` accepted; q: (B, Sq, H, D),
     k, v: (B, Sk, Hk, D); qk_scale = softmax_scale * log2(e); alibi_slopes: None or float32 (H,) / (B, H); fold:
     config.KernelConfigs.fold_scale (`_softmax_update`, which ignores it with ALiBi). dropout_p > 0: head dim 128,
-    the keep bits drawn from seed_offset (ops.draw_seed_offset's int64 (seed, offset)) at common.dropout_keep's
+    the keep bits drawn from seed_offset (ops.draw_seed_offset's int64 (seed, offset)) at triton.common.dropout_keep's
     counters, on the grid of one program per query block (the persistent one has no drawers). options: its
     persistent_fwd, causal_schedule and head_group."""
     batch, seqlen_q, nheads, headdim = q.shape

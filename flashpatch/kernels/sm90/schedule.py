@@ -1,17 +1,16 @@
 """Which causal query blocks each program of a persistent grid runs, and in which order: a table the kernel reads.
 
-A persistent forward (hopper_fwd) keeps one program per SM, each running query blocks one after another. Under a
-causal mask the blocks cost 1 to n key steps, so how they are dealt out sets two things: the balance (the program
-that finishes last sets the time) and how often a head's K/V comes from HBM rather than L2 (blocks of one head that
-run at the same time read the same key blocks). hopper_fwd.persistent_tile's closed form balances only an order of
-all heads block-major, where at n4096 the 132 blocks in flight belong to 64 heads: round 35 (NOTES.md v56, H100)
-measured that forward reading 1.15 GB from HBM at a 40% L2 hit rate, and 8% faster with one K/V head for all heads.
+A persistent forward (fwd.py) keeps one program per SM, each running query blocks one after another. Under a causal
+mask the blocks cost 1 to n key steps, so how they are dealt out sets two things: the balance (the program that
+finishes last sets the time) and how often a head's K/V comes from HBM rather than L2 (blocks of one head that run at
+the same time read the same key blocks). common.persistent_tile's closed form balances only an order of all heads
+block-major, where at n4096 the 132 blocks in flight belong to 64 heads, and most K/V reads miss L2.
 
 Here the blocks keep config.head_group's order (heads in groups of about one wave of blocks, each group's blocks
 heaviest first) and go greedily, each to the program that a cost model says frees first: the longest-processing-
 time rule, what the hardware's dispatcher does with a grid of one program per block, without its per-program cost.
-scripts/persistent_grid_sim.py: within 1-3% of an even split on issue 7's shapes, against 30-70% for the closed form
-on the same grouped order.
+It comes within a few percent of an even split, where the closed form on the same grouped order is far off
+(docs/tuning.md, "persistent grids").
 """
 
 from __future__ import annotations
@@ -26,8 +25,8 @@ BLOCK_OVERHEAD_STEPS = 0.5
 
 
 def order_block(tile: int, num_bh: int, num_m: int, head_group: int) -> tuple[int, int]:
-    """(batch x head index, query block) of `tile` in the kernels' 1-D order (common.tile_head_and_block) with
-    hopper_fwd.query_block_of_tile's causal reversal (the last query block, the heaviest, first)."""
+    """(batch x head index, query block) of `tile` in the kernels' 1-D order (triton.common.tile_head_and_block)
+    with common.query_block_of_tile's causal reversal (the last query block, the heaviest, first)."""
     if head_group == 0:
         bh, block = tile % num_bh, tile // num_bh
     else:
@@ -75,7 +74,7 @@ def causal_schedule_tensor(num_bh: int, seqlen_q: int, seqlen_k: int, block_m: i
     """`causal_schedule` as an int32 tensor on `device` (built once per shape and kept), and its rounds; (None, 0)
     where it is not built yet and the stream is capturing a CUDA graph, which a host-to-device copy would break (the
     caller falls back to the closed form: the same results, tile for tile). Building one costs ~1 us of host time
-    a tile (2 ms at issue 7's 2048 tiles, 34 ms at 8 x 64 heads x n8192's 32768, on a 2-core CI machine), once per
+    a tile (2 ms at 2048 tiles, 34 ms at 8 x 64 heads x n8192's 32768, on a 2-core CI machine), once per
     shape: the Gluon path takes lengths in multiples of 128 only, so a run meets few shapes."""
     key = (num_bh, seqlen_q, seqlen_k, block_m, block_n, head_group, programs, device)
     if key not in _TABLES:

@@ -70,8 +70,8 @@ def _dkdv_inner(
     Triton leaves a matmul in flight only when the loop reads its result no earlier than the next synchronous
     matmul, so the order of the four matmuls decides what overlaps. By default dV += Pᵀ dO is issued together with
     dPᵀ = V dOᵀ and both are waited for before dS; with DP_FIRST, dPᵀ is computed right after the scores and the
-    dV matmul runs while dS is computed, at the price of holding dPᵀ in registers through the softmax (v18:
-    faster for the one-warpgroup unmasked tile, more spills for the 64 x 128 one)."""
+    dV matmul runs while dS is computed, at the price of holding dPᵀ in registers through the softmax (faster for
+    the one-warpgroup unmasked tile, more spills for the 64 x 128 one: config.py)."""
     inv_keep = 1.0 / (1.0 - dropout_p)
     zero64 = tl.zeros((), dtype=tl.int64)  # loop offsets times strides in 64 bits
     for start in range(start_m, end_m, BLOCK_M):

@@ -214,7 +214,7 @@ def philox4x32_10(seed, counter):
     c2 = c3 = 0)."""
     c0 = (counter & 0xFFFFFFFF).to(tl.uint32)
     c1 = (counter >> 32).to(tl.uint32)
-    zero = c0 & 0  # not tl.zeros_like, which Gluon (hopper_dq.py calls this too) cannot give a layout
+    zero = c0 & 0  # not tl.zeros_like, which Gluon (sm90/dq.py calls this too) cannot give a layout
     return tl.philox(seed, c0, c1, zero, zero)
 
 
@@ -248,7 +248,7 @@ def dropout_keep(seed, offset, rows0, n0, max_seqlen_k, dropout_p, BLOCK_M: tl.c
 @triton.jit
 def keep_tile(seed, counter, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The (BLOCK_M, BLOCK_N) keep tile from the (BM/16, 8, BN/16, 4) Philox counters of `dropout_keep`, one per
-    call: the part of the draw that `dropout_keep` and the Gluon dQ (hopper_dq.dropout_keep_acc) share, so that
+    call: the part of the draw that `dropout_keep` and the Gluon dQ (sm90.dq.dropout_keep_acc) share, so that
     their bits agree by construction."""
     r0, r1, r2, r3 = philox4x32_10(seed, counter)
     return keep_from_words(r0, r1, r2, r3, dropout_p, BLOCK_M, BLOCK_N)
@@ -256,7 +256,7 @@ def keep_tile(seed, counter, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
 
 @triton.jit
 def keep_from_words(r0, r1, r2, r3, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """`keep_tile` from its calls' four Philox words (the Gluon dQ draws them as hopper_fwd.philox_wide)."""
+    """`keep_tile` from its calls' four Philox words (the Gluon dQ draws them as sm90.common.philox_wide)."""
     threshold = dropout_threshold(dropout_p)
     # word r[2 * i3 + j3]; joined dims after the three joins: (i >> 4, i & 7, j >> 4, (j >> 1) & 3, j0, j3, i3)
     keep = tl.join(tl.join(tl.join(r0 & 0xFFFF, r0 >> 16), tl.join(r1 & 0xFFFF, r1 >> 16)),
@@ -272,7 +272,7 @@ def dropout_keep_transposed(seed, offset, rows0, n0, max_seqlen_k, dropout_p,
     kernel's transposed score tile. There a thread holds keys j and j + 8 but not j + 1, so drawing in that layout
     would make two threads run each Philox call (each keeping four of its eight decisions). Instead the tile is drawn
     in `dropout_keep`'s own layout, one call per eight decisions, and transposed; the compiler moves the Philox words
-    through shared memory to do it, which costs less than the second draw (NOTES.md v25: dK/dV 4-12% faster)."""
+    through shared memory to do it, which costs less than the second draw (the dK/dV kernel measured faster)."""
     keep = dropout_keep(seed, offset, rows0, n0, max_seqlen_k, dropout_p, BLOCK_M, BLOCK_N).to(tl.int8)
     return tl.trans(keep) != 0
 
