@@ -1,7 +1,7 @@
 """GPU checks at training sizes, bf16 and fp16 (the CPU interpreter cannot check bf16): `pytest -m gpu`.
 
 Same bar as on CPU: error against float64 within 2x (outputs) / 3x (gradients) of PyTorch's own error in the
-input dtype. scripts/gpu_suite.sh runs these, then the benchmarks.
+input dtype. tools/gpu_suite.sh runs these, then the benchmarks.
 """
 
 import pytest

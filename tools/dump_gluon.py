@@ -1,7 +1,7 @@
-"""Compile a Gluon Hopper kernel (flashpatch/kernels/hopper_fwd.py, hopper_dkdv.py) for sm_90 without a GPU and
+"""Compile a Gluon Hopper kernel (flashpatch/kernels/sm90/fwd.py, dkdv.py, dq.py) for sm_90 without a GPU and
 report shared memory, registers and spills, and the barriers in its PTX.
 
-    PYTHONPATH=/tmp/t36 python scripts/dump_gluon.py {dkdv,dq,fwd} [--headdim 128] [--causal] [--stages 2] [--dropout]
+    PYTHONPATH=/tmp/t36 python tools/dump_gluon.py {dkdv,dq,fwd} [--headdim 128] [--causal] [--stages 2] [--dropout]
         [--alibi] [--persistent] [--set FOLD=1 --set REG_KV=1 ...]
 """
 

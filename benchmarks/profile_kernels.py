@@ -2,7 +2,7 @@
 dispatcher picks, named by its kernels), plus each compiled flashpatch kernel's registers, spills and shared
 memory. Answers "which launch is slow" before tuning it.
 
-    python scripts/profile_kernels.py [--seqlen 8192] [--headdim 128] [--causal 1] [--batch B] [--heads H]
+    python benchmarks/profile_kernels.py [--seqlen 8192] [--headdim 128] [--causal 1] [--batch B] [--heads H]
                                       [--kv-heads HK]
 The 1B training recipe's attention: --seqlen 1024 --batch 8 --heads 16 --kv-heads 4.
 """

@@ -4,7 +4,7 @@
 by the host op that launched the kernel after each (host-bound, or waiting on something else). Written for the
 padded-real-lengths run, which moved +0.3% when its varlen kernels got 17-19% faster (NOTES.md e14 has the answer).
 
-    python scripts/profile_train_step.py --config configs/padded_real_lengths.yaml --implementations fpatch \
+    python benchmarks/profile_train_step.py --config configs/padded_real_lengths.yaml --implementations fpatch \
         [--tree runs/trees/<name>] [--profile_steps 8]
 
 Every other option is recipes/train.py's (--config plus field overrides; the batches are the recipe's). --tree

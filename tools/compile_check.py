@@ -4,22 +4,25 @@ Catches type and lowering errors that the CPU interpreter accepts, and launch co
 shared memory than an H100/H200 block has, without spending device time. Kernels compile with the alignment the JIT
 assumes at a real launch (launch_hints), so loads are pipelined as on the GPU and the shared-memory figures match
 the GPU build's (checked for Triton 3.6 and 3.9); the GPU tests still have the last word.
-    python scripts/compile_check.py [--arch 90]
+    python tools/compile_check.py [--arch 90]
 """
 
 import argparse
 import itertools
 import os
+import sys
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's flashpatch
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from flashpatch.kernels import config as kernel_config  # noqa: E402
 from flashpatch.kernels.triton.backward import (  # noqa: E402
     attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel)
-from flashpatch.kernels import config as kernel_config  # noqa: E402
 from flashpatch.kernels.triton.forward import attn_fwd_kernel  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 in-process compile (Triton's disk cache may still serve the binary) with the step it happened in and its
 specialization, and for kernels compiled more than once prints what differs between the variants. GPU only.
 
-    python scripts/trace_compiles.py --config configs/llama_125m.yaml --implementations fpatch --steps 30
+    python tools/trace_compiles.py --config configs/llama_125m.yaml --implementations fpatch --steps 30
 
 Every option is recipes/train.py's (it runs in this process, one implementation at a time as usual).
 """

@@ -1,11 +1,12 @@
 """Time flashpatch's launch configurations against each other on the GPU (one run, medians of do_bench).
 
-    python scripts/tune_kernels.py [--out DIR] [--headdim 64] [--seqlens 8192] [--heads H --kv-heads HK]
+    python benchmarks/tune_kernels.py [--out DIR] [--headdim 64] [--seqlens 8192] [--heads H --kv-heads HK]
                                    [--batch B] [--masks causal,full] [--dropout P] [--skip-bwd] [--match REGEX]
 
 Dense bf16, by default B*N = 16k tokens, H*D = 2048, causal and full. Forward configs and backward configs
 (dK/dV tile, dQ tile, atomic dQ or a separate dQ pass) are timed separately; the winners go into
-flashpatch/kernels/config.py by hand, with the numbers in NOTES.md.
+flashpatch/kernels/config.py by hand, with the numbers in docs/tuning.md. Each candidate is a set of
+options.override fields (config.KernelConfigs) over config's current pick.
 """
 
 import argparse
@@ -26,9 +27,9 @@ from flashpatch.kernels.config import LaunchConfig as L  # noqa: E402
 
 # Round 14 (--headdim 128; at issue 7's lengths and at the 1B training recipe's shape: --heads 16 --kv-heads 4
 # --batch 8 --seqlens 1024 --masks causal). At that shape the kernels take ~0.1 ms and do_bench times the host's
-# launch overhead too (one config measured 154 and 289 TFLOP/s in one run): use scripts/kernel_time_variants.py
-# there, which times GPU kernels with the profiler. Round 14 also timed a fused backward launch (dK/dV and dQ
-# programs on one 1-D grid), which lost everywhere and was removed (NOTES.md, v16).
+# launch overhead too (one config measured 154 and 289 TFLOP/s in one run): time GPU kernels with the profiler
+# there (profile_kernels.kernel_times, as tools/gluon_check.py does). Round 14 also timed a fused backward launch
+# (dK/dV and dQ programs on one 1-D grid), which lost everywhere and was removed (NOTES.md, v16).
 # Round 13 (--seqlens 1024,2048): d64 at the short lengths of the 1B training recipe (seq 1024), where the
 # per-program prologue and epilogue weigh more than at the 4k-16k of earlier rounds. Earlier rounds:
 # docs/results/h200/tune_round{1..12}.json (1-3: tiles; 4: TMA descriptors, warp specialization, TMA atomic dQ;

@@ -1,8 +1,8 @@
 """Compile one kernel variant for sm_90 on a machine without a GPU and report what decides its speed: shared memory,
 pipelined loads, which matmuls are waited for at once, and (with the bundled ptxas) registers and spills.
 
-    python scripts/dump_ir.py dkdv --tile 64 128 --warps 8 --stages 3 --causal [--dropout] [--tma] [--dp-first]
-    PYTHONPATH=/tmp/t36 python scripts/dump_ir.py fwd ...   # Triton 3.6, the GPU's: pip install --target /tmp/t36
+    python tools/dump_ir.py dkdv --tile 64 128 --warps 8 --stages 3 --causal [--dropout] [--tma] [--dp-first]
+    PYTHONPATH=/tmp/t36 python tools/dump_ir.py fwd ...   # Triton 3.6, the GPU's: pip install --target /tmp/t36
 
 The TTGIR and PTX go to --out (default runs/ir/). Kernels compile with the alignment hints of a real launch
 (compile_check.launch_hints), without which Triton pipelines no load (NOTES.md v18). Compare register counts

@@ -3,7 +3,7 @@
 With dropout on, the two runs draw different masks, so their loss curves differ by noise even when both are right;
 one seed pair cannot tell noise from bias. Each seed here fixes the model init, the batches and torch's RNG for both
 implementations; the paired differences across seeds show whether flashpatch sits consistently above or below.
-    python scripts/dropout_parity.py runs/parity_dropout_s*/results.json
+    python tools/dropout_parity.py runs/parity_dropout_s*/results.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session in one call: GPU tests, kernel tuning, benchmarks, recipes. A short summary prints last.
-#   bash scripts/gpu_suite.sh [tests | tests1 tests2] [tune] [tune_fwd] [tune_dropout] [bench] [parity] [parity_dropout]
-#       [<config name>] ...   (tests1, tests2: each half of the GPU tests, for two device calls)
+#   bash tools/gpu_suite.sh [tests | tests1 tests2] [tune] [tune_fwd] [tune_dropout] [bench | bench_full | bench_table]
+#       [parity] [parity_dropout] [<config name>] ...   (tests1, tests2: each half of the GPU tests, for two calls)
 #   PARITY_SEEDS="0 1 2" repeats parity_dropout per seed.
 # Logs and reports go to $WORK; after every step they are packed into $OUT/suite.tgz (the device tool returns at
 # most 8 files, and a run cut off by its time limit still returns what was packed). On the device machine, carry
@@ -43,28 +43,28 @@ for step in $steps; do
       python3 -m pytest -q -rs -p no:cacheprovider --durations=10 "${part[@]}" 2>&1 | tee "$WORK/pytest_gpu_$step.log"
       summary+=("$step (${#part[@]} of ${#ids[@]}): $(tail -n 1 "$WORK/pytest_gpu_$step.log")") ;;
     tune)
-      python3 scripts/tune_kernels.py --out "$WORK" 2>&1 | tee "$WORK/tune.log"
+      python3 benchmarks/tune_kernels.py --out "$WORK" 2>&1 | tee "$WORK/tune.log"
       summary+=("tune: tune.log") ;;
-    tune_fwd)  # forward grid only: d128 at issue 7's lengths, d64 n8192, dropout n8192, the 1B recipe's shape
-      { python3 scripts/tune_kernels.py --headdim 128 --seqlens 4096,8192,16384 --skip-bwd --out "$WORK/tune_fwd128"
-        python3 scripts/tune_kernels.py --headdim 64 --seqlens 8192 --skip-bwd --out "$WORK/tune_fwd64"
-        python3 scripts/tune_kernels.py --dropout 0.1 --seqlens 8192 --skip-bwd --out "$WORK/tune_fwd_dropout"
+    tune_fwd)  # forward grid only: d128 at the headline table's lengths, d64 n8192, dropout n8192
+      { python3 benchmarks/tune_kernels.py --headdim 128 --seqlens 4096,8192,16384 --skip-bwd --out "$WORK/tune_fwd128"
+        python3 benchmarks/tune_kernels.py --headdim 64 --seqlens 8192 --skip-bwd --out "$WORK/tune_fwd64"
+        python3 benchmarks/tune_kernels.py --dropout 0.1 --seqlens 8192 --skip-bwd --out "$WORK/tune_fwd_dropout"
       } 2>&1 | tee "$WORK/tune_fwd.log"
       summary+=("tune_fwd: tune_fwd.log") ;;
     tune_dropout)  # dropout 0.1 tiles at d128 n8192 (causal and full)
-      python3 scripts/tune_kernels.py --dropout 0.1 --seqlens 8192 --out "$WORK/tune_dropout" 2>&1 \
+      python3 benchmarks/tune_kernels.py --dropout 0.1 --seqlens 8192 --out "$WORK/tune_dropout" 2>&1 \
         | tee "$WORK/tune_dropout.log"
       summary+=("tune_dropout: tune_dropout.log") ;;
-    bench|bench_full|bench_issue)  # quick: N = 4k; full: 1k..16k; issue: issue 7's table (4k, 8k, 16k; its peers)
+    bench|bench_full|bench_table)  # quick: N = 4k; full: 1k..16k; table: the headline table (4k, 8k, 16k; peers)
       case $step in
         bench) args="--quick" ;;
         bench_full) args="" ;;
-        bench_issue) args="--seqlens 4096,8192,16384 --peers fpatch,sdpa_flash,sdpa_cudnn,flex" ;;
+        bench_table) args="--seqlens 4096,8192,16384 --peers fpatch,sdpa_flash,sdpa_cudnn,flex" ;;
       esac
-      python3 recipes/bench_attention.py $args --out "$WORK" 2>"$WORK/bench_progress.log" | tee "$WORK/bench.md"
+      python3 benchmarks/bench_attention.py $args --out "$WORK" 2>"$WORK/bench_progress.log" | tee "$WORK/bench.md"
       cp "$WORK/bench.md" "$OUT/bench.md"
       summary+=("$step: bench.md") ;;
-    parity)  # issue 5: ~100M model, bf16, 200 steps, eager against flashpatch, loss curves in one PNG
+    parity)  # ~100M model, bf16, 200 steps, eager against flashpatch, loss curves in one PNG
       train parity llama_125m --implementations eager,fpatch --data_mode dense --batch_size 4 --steps 200 \
         --warmup_steps 5
       summary+=("parity: parity.md") ;;
@@ -73,7 +73,7 @@ for step in $steps; do
         train "parity_dropout_s$seed" llama_125m --implementations eager,fpatch --data_mode dense --batch_size 4 \
           --steps 200 --warmup_steps 5 --attention_dropout 0.1 --seed "$seed"
       done
-      python3 scripts/dropout_parity.py "$WORK"/parity_dropout_s*/results.json 2>&1 | tee "$WORK/parity_dropout.md"
+      python3 tools/dropout_parity.py "$WORK"/parity_dropout_s*/results.json 2>&1 | tee "$WORK/parity_dropout.md"
       summary+=("parity_dropout: parity_dropout.md") ;;
     *)
       if [ -f "configs/$step.yaml" ]; then

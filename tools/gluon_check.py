@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # profile_kernels
 import flashpatch  # noqa: E402
 from flashpatch import reference  # noqa: E402
 from flashpatch.kernels import options  # noqa: E402

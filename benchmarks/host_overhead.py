@@ -1,7 +1,7 @@
 """Host (Python) time per call of flashpatch's launch path, piece by piece, at one shape: the time to enqueue
 each piece, measured with perf_counter over many calls while the GPU has work queued. GPU only.
 
-    python scripts/host_overhead.py [--shape 1b] [--launch-profile]
+    python benchmarks/host_overhead.py [--shape 1b] [--launch-profile]
 
 --launch-profile: cProfile of one Gluon launch (sm90_fwd.attn_fwd), the Python functions with the most own time.
 """
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # gluon_check.SHAPES
 import flashpatch  # noqa: E402
 from flashpatch import autograd as fp_autograd, ops, validation  # noqa: E402
 from flashpatch.autograd import FlashAttnFunction  # noqa: E402

@@ -1,9 +1,9 @@
 """Time launch configurations on a varlen batch, whose loads keep their bounds masks (ops._even is False), so a
-tile that wins on dense rows can lose here; scripts/tune_kernels.py times dense rows only.
+tile that wins on dense rows can lose here; benchmarks/tune_kernels.py times dense rows only.
 
-    python scripts/tune_varlen.py [--headdim 64] [--kv-heads 4] [--lengths 4096,4096,2551,4096] [--match fwd]
+    python benchmarks/tune_varlen.py [--headdim 64] [--kv-heads 4] [--lengths 4096,4096,2551,4096] [--match fwd]
 
-The batch is recipes/bench_attention.py's unless --lengths names one: document lengths log-uniform in 64..4096,
+The batch is benchmarks/bench_attention.py's unless --lengths names one: document lengths log-uniform in 64..4096,
 64k tokens, causal, bf16, H*D = 2048. Prints forward and backward medians (triton.testing.do_bench) per variant,
 and each kernel's GPU time (torch profiler). CUDA GPU only.
 """
@@ -18,7 +18,7 @@ import torch
 import triton
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "recipes"), str(ROOT / "scripts")]  # runnable from a checkout, not installed
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "recipes")]  # a checkout; bench_attention in either
 import flashpatch  # noqa: E402
 from bench_attention import varlen_batch, varlen_lengths  # noqa: E402
 from flashpatch.kernels import config as kc  # noqa: E402
