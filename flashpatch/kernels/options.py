@@ -29,7 +29,8 @@ class KernelOptions:
     """Switches of the kernels' forms that config.py does not pick per call. None: the rule named beside it."""
 
     # The Gluon forward as a persistent grid (one program per SM, taking query blocks in turn) or as one program per
-    # query block; None: config.persistent_grid (persistent at head dim 128 without dropout).
+    # query block; None: config.persistent_grid (persistent at head dim 128). Dropout always runs per block (the
+    # persistent form has no drawer warps).
     persistent_fwd: bool | None = None
     # The same for the Gluon dQ; None: config.persistent_grid (rows of at most 8 query blocks, not beside dK/dV).
     persistent_dq: bool | None = None
