@@ -16,8 +16,8 @@ except ImportError:  # pragma: no cover - depends on the installed torch
 def _eager(*tensors) -> bool:
     """Whether a call may skip the custom op's dispatch and run its implementation directly: plain tensors, no
     torch.compile trace and no TorchDispatchMode (fake tensors, functionalization, selective checkpointing...),
-    i.e. when dispatching would only cost host time (NOTES.md v24: 12-26% of a forward + backward's host time at
-    the 1B shape). Everything else goes through torch.ops.flashpatch, whose fake kernels tracers need."""
+    i.e. when dispatching would only cost host time (a large share of a small call's; docs/tuning.md, "host
+    overhead"). Everything else goes through torch.ops.flashpatch, whose fake kernels tracers need."""
     if _get_current_dispatch_mode is None or torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return False
     return all(t is None or type(t) is torch.Tensor for t in tensors)

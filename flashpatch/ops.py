@@ -4,7 +4,7 @@ torch.compile traces through them as opaque nodes.
 Dense tensors are (batch, seqlen, heads, headdim); varlen tensors are (total_tokens, heads, headdim) with
 cu_seqlens. Both run the same kernels: varlen reads a sequence's start and length from cu_seqlens, dense uses a
 batch stride. On an H100/H200 (sm_90), dense d128 calls that are causal or unmasked (with or without ALiBi slopes)
-and whose lengths divide the tiles run warp-specialized Gluon kernels instead (kernels/hopper_*.py; same results,
+and whose lengths divide the tiles run warp-specialized Gluon kernels instead (kernels/sm90/; same results,
 same LSE and delta buffers); FLASHPATCH_GLUON=0 turns them off. No argument checking here: flashpatch.validation does
 it in the public layer.
 """
@@ -19,11 +19,18 @@ import torch
 import triton
 
 from flashpatch.kernels import config as kernel_config
-from flashpatch.kernels import hopper_common, hopper_dkdv, hopper_dq, hopper_fwd
-from flashpatch.kernels.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
-from flashpatch.kernels.dropout_mask import dropout_mask_kernel
-from flashpatch.kernels.forward import attn_fwd_kernel
+from flashpatch.kernels import options as kernel_options
+from flashpatch.kernels import sm90
+from flashpatch.kernels.triton.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
+from flashpatch.kernels.triton.common import alibi_batch_stride
+from flashpatch.kernels.triton.dropout import dropout_mask_kernel
+from flashpatch.kernels.triton.forward import attn_fwd_kernel
 from flashpatch.memo import once_per_tensor
+
+if sm90.AVAILABLE:  # the Gluon kernels, which take the calls in their scope where sm90.enabled()
+    from flashpatch.kernels.sm90 import dkdv as sm90_dkdv, dq as sm90_dq, fwd as sm90_fwd
+else:  # pragma: no cover - depends on the installed Triton
+    sm90_dkdv = sm90_dq = sm90_fwd = None
 
 LOG2E = math.log2(math.e)
 _INTERPRETED = type(attn_fwd_kernel).__name__ == "InterpretedFunction"
@@ -79,7 +86,7 @@ def _common_flags(varlen, window_left, window_right, softcap, dropout_p, dtype, 
 
 
 def _tma_supported(device: torch.device) -> bool:
-    return (not _INTERPRETED and device.type == "cuda" and hopper_common.capability(device)[0] >= 9
+    return (not _INTERPRETED and device.type == "cuda" and sm90.capability(device)[0] >= 9
             and hasattr(triton.language, "make_tensor_descriptor"))
 
 
@@ -137,21 +144,22 @@ def _varlen_grid_blocks(cu_seqlens: torch.Tensor, rows: int, block: int) -> int:
 
 def varlen_blocks(cu_seqlens: torch.Tensor, rows: int, block: int, heaviest_first: bool,
                   longest_first: bool = True) -> torch.Tensor:
-    """(2, n) int32: the (sequence, block) pairs of a varlen launch's grid (common.batch_head_and_block), which then
-    holds nheads x n programs. A grid of batch x ceil(max_seqlen / block) blocks per head would be mostly empty
-    programs on a batch of mixed lengths (64k tokens in 73 documents of 64..4096: 37k programs per kernel, 9k of
-    them with work; the empty ones cost ~4 ns each of GPU time, NOTES.md v27), and it grows with the longest
-    sequence times the batch.
+    """(2, n) int32: the (sequence, block) pairs of a varlen launch's grid (triton.common.batch_head_and_block),
+    which then holds nheads x n programs. A grid of batch x ceil(max_seqlen / block) blocks per head would be mostly
+    empty programs on a batch of mixed lengths (64k tokens in 73 documents of 64..4096: 37k programs per kernel, 9k
+    of them with work; the empty ones cost GPU time too: docs/tuning.md, "varlen grids"), and it grows with the
+    longest sequence times the batch.
 
     n = `_varlen_grid_blocks` bounds the blocks that exist from shapes alone (no host sync); the pairs past the
     last block name block ceil(length_0 / block) of sequence 0, which the kernels skip.
 
     Order: a sequence's blocks side by side, so the programs in flight share its K/V (or Q/dO) in L2; sorting all
-    pairs by block index instead (the order of a (batch x heads, blocks) grid) made the varlen dQ 12% slower (NOTES.md
-    v28). Within a sequence, heaviest_first runs the blocks from the last down (query blocks: under a causal mask
-    the last see the most keys), else from 0 up (key blocks: the first are seen by the most queries). With
-    longest_first the sequences go longest first (ties in batch order), so the grid ends on short sequences' light
-    blocks instead of a long one's. Computed on the device once per cu_seqlens tensor (memo.once_per_tensor)."""
+    pairs by block index instead (the order of a (batch x heads, blocks) grid) made the varlen dQ slower. Within a
+    sequence, heaviest_first runs the blocks from the last down (query blocks: under a causal mask the last see the
+    most keys), else from 0 up (key blocks: the first are seen by the most queries). With longest_first
+    (options.KernelOptions.varlen_longest_first) the sequences go longest first (ties in batch order), so the grid
+    ends on short sequences' light blocks instead of a long one's. Computed on the device once per cu_seqlens tensor
+    (memo.once_per_tensor)."""
     batch = cu_seqlens.numel() - 1
     count = _varlen_grid_blocks(cu_seqlens, rows, block)
 
@@ -181,33 +189,33 @@ _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
 
 
 def _launch_grid(heads: int, block: int, blocks_fastest: bool, cu_seqlens: Optional[torch.Tensor], rows: int,
-                 batch: int, max_seqlen: int, heaviest_first: bool):
+                 batch: int, max_seqlen: int, heaviest_first: bool, opts: kernel_options.KernelOptions):
     """(grid, VARLEN_BLOCKS, BLOCKS_FASTEST) of a launch with one program per head and block of `block` rows (of
     queries: the forward and dQ, heaviest_first; of keys: dK/dV). A varlen grid too long for the second axis of
-    a 2-D grid becomes a 1-D one (common.head_and_block: a head's blocks side by side)."""
+    a 2-D grid becomes a 1-D one (triton.common.head_and_block: a head's blocks side by side)."""
     if cu_seqlens is None:
         return _grid(batch * heads, triton.cdiv(max_seqlen, block), blocks_fastest), None, blocks_fastest
     if not blocks_fastest and _varlen_grid_blocks(cu_seqlens, rows, block) > _MAX_GRID_Y:
         blocks_fastest = True
-    blocks = varlen_blocks(cu_seqlens, rows, block, heaviest_first, kernel_config.VARLEN_LONGEST_FIRST)
+    blocks = varlen_blocks(cu_seqlens, rows, block, heaviest_first, opts.varlen_longest_first)
     return _grid(heads, blocks.shape[1], blocks_fastest), blocks, blocks_fastest
 
 
 def _head_group(cfg: kernel_config.LaunchConfig, varlen: bool, window_left: int, window_right: int, max_seqlen: int,
-                device: torch.device, by_keys: bool = False) -> int:
+                device: torch.device, opts: kernel_options.KernelOptions, by_keys: bool = False) -> int:
     """The grid order of a `blocks_fastest` launch (config.head_group): by how much a block's work varies, which
     the rule knows for dense causal rows; the rest keep a head's blocks side by side (1)."""
     if not cfg.blocks_fastest:
         return 1  # unused: a 2-D grid
     causal = not varlen and window_left < 0 and window_right == 0
     return kernel_config.head_group(causal, triton.cdiv(max_seqlen, cfg.block_n if by_keys else cfg.block_m),
-                                    device)
+                                    device, opts.head_group)
 
 
 def _even_interior(enabled: bool, headdim: int) -> bool:
-    """The fully visible blocks between the mask edges (common.key_block_range, query_block_range) always lie
-    inside the sequence, so their loads need a mask only for padded head-dim columns (NOTES.md v28: ragged and
-    varlen rows keep the masks on their edge blocks alone)."""
+    """The fully visible blocks between the mask edges (triton.common.key_block_range, query_block_range) always
+    lie inside the sequence, so their loads need a mask only for padded head-dim columns: ragged and varlen rows keep
+    the masks on their edge blocks alone."""
     return enabled and headdim == block_d(headdim)
 
 
@@ -227,14 +235,17 @@ def _aligned(varlen: bool, headdim: int, max_seqlen_q: int, max_seqlen_k: int) -
 
 
 def _launch_configs(q: torch.Tensor, k: torch.Tensor, varlen: bool, max_seqlen_q: int, max_seqlen_k: int,
-                    window_left: int, window_right: int, dropout_p: float) -> kernel_config.KernelConfigs:
-    """config.py's launch settings for one call, forward or backward: the same inputs pick the same settings."""
+                    window_left: int, window_right: int, dropout_p: float,
+                    opts: kernel_options.KernelOptions) -> kernel_config.KernelConfigs:
+    """config.py's launch settings for one call, forward or backward (the same inputs pick the same settings), with
+    the KernelConfigs fields that `opts` sets on top."""
     headdim = q.shape[-1]
     long_from = kernel_config.LONG_KEYS_DROPOUT if dropout_p > 0 else kernel_config.LONG_KEYS
     long_keys = _mean_keys_seen(max_seqlen_q, max_seqlen_k, window_left, window_right) >= long_from
     return kernel_config.configs_for(headdim, q.is_cuda, window_left >= 0 or window_right >= 0, dropout_p > 0,
                                      _aligned(varlen, headdim, max_seqlen_q, max_seqlen_k),
-                                     max_seqlen_q <= kernel_config.SHORT, q.shape[-2] != k.shape[-2], long_keys)
+                                     max_seqlen_q <= kernel_config.SHORT, q.shape[-2] != k.shape[-2], long_keys,
+                                     fields=opts.config_fields)
 
 
 def _mean_keys_seen(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int) -> float:
@@ -296,13 +307,14 @@ def attn_fwd_impl(
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p)
-    if cfgs.gluon_fwd and hopper_fwd.supported(  # the Gluon kernel where it applies
+    opts = kernel_options.current()  # read once: every launch of the call takes the same
+    cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p, opts)
+    if cfgs.gluon_fwd and sm90_fwd is not None and sm90_fwd.supported(  # the Gluon kernel where it applies
             q, k, v, varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
             window_right=window_right, softcap=softcap, dropout_p=dropout_p):
-        hopper_fwd.attn_fwd(q, k, v, out, lse, _scales(softmax_scale, softcap)[0], causal=window_right == 0,
+        sm90_fwd.attn_fwd(q, k, v, out, lse, _scales(softmax_scale, softcap)[0], causal=window_right == 0,
                             alibi_slopes=alibi_slopes, fold=cfgs.fold_scale, seed_offset=seed_offset,
-                            dropout_p=dropout_p)
+                            dropout_p=dropout_p, options=opts)
         return out, lse
     cfg = cfgs.fwd
     tma = cfg.tma and tma_usable(headdim, q, k, v, out)
@@ -310,17 +322,17 @@ def attn_fwd_impl(
         _ensure_allocator()
     qk_scale, cap_log2 = _scales(softmax_scale, softcap)
     grid, blocks, blocks_fastest = _launch_grid(nheads, cfg.block_m, cfg.blocks_fastest, cu_seqlens_q, q.shape[0],
-                                                batch, max_seqlen_q, heaviest_first=True)
+                                                batch, max_seqlen_q, heaviest_first=True, opts=opts)
     attn_fwd_kernel[grid](
         q, k, v, out, lse, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes,
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen), *_seq_strides(out, varlen),
-        *_lse_strides(lse, varlen), hopper_common.alibi_batch_stride(alibi_slopes),
+        *_lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes),
         nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
         qk_scale, cap_log2, dropout_p, window_left, window_right,
         HEADDIM=headdim, BLOCK_D=block_d(headdim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **_common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype, alibi_slopes),
         TMA=tma, BLOCKS_FASTEST=blocks_fastest,
-        HEAD_GROUP=_head_group(cfg, varlen, window_left, window_right, max_seqlen_q, q.device),
+        HEAD_GROUP=_head_group(cfg, varlen, window_left, window_right, max_seqlen_q, q.device, opts),
         EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, cfg.block_n),
         EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim),
         FOLD=cfgs.fold_scale,
@@ -330,7 +342,7 @@ def attn_fwd_impl(
 
 
 # The custom op is what torch.compile and every tracer see; the autograd layer calls attn_fwd_impl directly in eager
-# mode on plain tensors, saving the dispatcher's host time (autograd._eager, NOTES.md v24).
+# mode on plain tensors, saving the dispatcher's host time (autograd._eager).
 attn_fwd = torch.library.custom_op("flashpatch::attn_fwd", attn_fwd_impl, mutates_args=(), device_types=("cuda", "cpu"))
 
 
@@ -378,7 +390,8 @@ def attn_bwd_impl(
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p)
+    opts = kernel_options.current()  # read once: every launch of the call takes the same
+    cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p, opts)
     qk_scale, cap_log2 = _scales(softmax_scale, softcap)
     flags = _common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype, alibi_slopes)
     tile_d = block_d(headdim)
@@ -392,14 +405,14 @@ def attn_bwd_impl(
         HEADDIM=headdim, BLOCK_D=tile_d, BLOCK_M=pre.block_m, IS_VARLEN=varlen,
     )
 
-    # The Gluon Hopper kernels take the calls in their scope (hopper_common.sm90_dense_ok), the Triton ones the rest
+    # The Gluon Hopper kernels take the calls in their scope (sm90.common.sm90_dense_ok), the Triton ones the rest
     gluon_scope = dict(varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
                        window_right=window_right, softcap=softcap, dropout_p=dropout_p)
-    gluon_dkdv = cfgs.gluon_dkdv and hopper_dkdv.supported(q, k, v, dout, **gluon_scope)
-    fuses_dq = hopper_dkdv.fuses_dq(headdim)  # whether the Gluon dK/dV could add dQ itself
+    gluon_dkdv = cfgs.gluon_dkdv and sm90_dkdv is not None and sm90_dkdv.supported(q, k, v, dout, **gluon_scope)
+    fuses_dq = gluon_dkdv and sm90_dkdv.fuses_dq(headdim)  # whether the Gluon dK/dV could add dQ itself
     fused_dq = not deterministic and cfgs.fused_dq and gluon_dkdv and fuses_dq
     # config's atomic dQ is the Triton dK/dV's, taken with dropout to spare the dQ pass its second draw; where the
-    # Gluon dK/dV draws the bits (v51) its fused dQ or the separate pass beside it is faster (NOTES.md v51, v52)
+    # Gluon dK/dV draws the bits, its fused dQ or the separate pass beside it is faster
     gluon_draws = gluon_dkdv and dropout_p > 0
     atomic_dq = (cfgs.atomic_dq and not deterministic and not gluon_draws) or fused_dq
     # fp32 accumulator for atomic dQ; otherwise dQ gets its own pass and the pointer is unused.
@@ -407,29 +420,31 @@ def attn_bwd_impl(
     causal = window_right == 0
 
     def launch_dkdv():
-        # with atomic dQ, the Gluon dK/dV only where it adds dQ itself (hopper_dkdv.fuses_dq)
+        # with atomic dQ, the Gluon dK/dV only where it adds dQ itself (sm90_dkdv.fuses_dq)
         if gluon_dkdv and (not atomic_dq or fuses_dq):
-            hopper_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal,
+            sm90_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal,
                                       alibi_slopes, dq_accum=dq_accum if atomic_dq else None,
-                                      seed_offset=seed_offset, dropout_p=dropout_p)
+                                      seed_offset=seed_offset, dropout_p=dropout_p, options=opts)
         else:
             c = cfgs.bwd_dkdv
             tma_dkdv = c.tma and tma_usable(headdim, q, k, v, dout, dq_accum, dk, dv)
             if tma_dkdv:
                 _ensure_allocator()
             grid, blocks, blocks_fastest = _launch_grid(nheads_k, c.block_n, c.blocks_fastest, cu_seqlens_k,
-                                                        k.shape[0], batch, max_seqlen_k, heaviest_first=False)
+                                                        k.shape[0], batch, max_seqlen_k, heaviest_first=False,
+                                                        opts=opts)
             attn_bwd_dkdv_kernel[grid](
                 q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks,
                 alibi_slopes,
                 *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
                 *_seq_strides(dout, varlen), *_seq_strides(dq_accum, varlen), *_seq_strides(dk, varlen),
-                *_seq_strides(dv, varlen), *_lse_strides(lse, varlen), hopper_common.alibi_batch_stride(alibi_slopes),
+                *_seq_strides(dv, varlen), *_lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes),
                 nheads, nheads_k, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
                 qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
                 HEADDIM=headdim, BLOCK_D=tile_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq,
                 TMA=tma_dkdv, BLOCKS_FASTEST=blocks_fastest,
-                HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_k, q.device, by_keys=True),
+                HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_k, q.device, opts,
+                                       by_keys=True),
                 EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_q, c.block_m),
                 EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim), DP_FIRST=c.dp_first, **flags,
                 num_warps=c.num_warps, num_stages=c.num_stages,
@@ -440,27 +455,28 @@ def attn_bwd_impl(
     def launch_dq():
         if atomic_dq:
             dq.copy_(dq_accum)
-        elif cfgs.gluon_dq and hopper_dq.supported(q, k, v, dout, **gluon_scope):
-            hopper_dq.attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale, softmax_scale, causal,
+        elif cfgs.gluon_dq and sm90_dq is not None and sm90_dq.supported(q, k, v, dout, **gluon_scope):
+            sm90_dq.attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale, softmax_scale, causal,
                                   seed_offset=seed_offset, dropout_p=dropout_p, alibi_slopes=alibi_slopes,
-                                  beside_dkdv=concurrent)
+                                  beside_dkdv=concurrent, options=opts)
         else:
             c = cfgs.bwd_dq
             tma_dq = c.tma and tma_usable(headdim, k, v)  # not atomic_dq: that branch is taken above
             if tma_dq:
                 _ensure_allocator()
             grid, blocks, blocks_fastest = _launch_grid(nheads, c.block_m, c.blocks_fastest, cu_seqlens_q,
-                                                        q.shape[0], batch, max_seqlen_q, heaviest_first=True)
+                                                        q.shape[0], batch, max_seqlen_q, heaviest_first=True,
+                                                        opts=opts)
             attn_bwd_dq_kernel[grid](
                 q, k, v, dout, lse, delta, dq, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes,
                 *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
                 *_seq_strides(dout, varlen), *_seq_strides(dq, varlen), *_lse_strides(lse, varlen),
-                hopper_common.alibi_batch_stride(alibi_slopes),
+                alibi_batch_stride(alibi_slopes),
                 nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
                 qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
                 HEADDIM=headdim, BLOCK_D=tile_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, TMA=tma_dq,
                 BLOCKS_FASTEST=blocks_fastest,
-                HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_q, q.device),
+                HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_q, q.device, opts),
                 EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, c.block_n),
                 EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim),
                 **flags,

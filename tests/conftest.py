@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: run scripts/gpu_suite.sh on the device machine")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: run tools/gpu_suite.sh on the device machine")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import flashpatch
-from flashpatch.kernels import config as kernel_config
+from flashpatch.kernels import options as kernel_options
 from flashpatch.padding import cu_seqlens_from_lengths
 from flashpatch.reference import varlen_attention_reference
 from tests.helpers import check_against_reference, random_qkv
@@ -55,7 +55,7 @@ def test_alibi_with_dropout_and_either_dq_path(atomic_dq):
     p = 0.2
     q, k, v = random_qkv(2, 24, 24, 2, 2, 32, torch.float32)
     slopes = _slopes(2, 2, per_sequence=True)
-    with kernel_config.override(atomic_dq=atomic_dq):  # atomic dQ: the dK/dV kernel also sums dQ
+    with kernel_options.override(atomic_dq=atomic_dq):  # atomic dQ: the dK/dV kernel also sums dQ
         out, _, pattern = flashpatch.flash_attn_func(q, k, v, dropout_p=p, causal=True, alibi_slopes=slopes,
                                                      return_attn_probs=True)
         dout = torch.randn_like(out)

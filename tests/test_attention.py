@@ -9,7 +9,7 @@ import torch
 
 import flashpatch
 from flashpatch import ops
-from flashpatch.kernels import config as kernel_config
+from flashpatch.kernels import options as kernel_options
 from flashpatch.reference import attention_reference
 from tests.helpers import check_against_reference, random_qkv
 
@@ -52,7 +52,7 @@ def test_dq_strategies_agree_with_reference(strategy, monkeypatch):
     # concurrent_dq forks a CUDA side stream for dK/dV; CPU tensors (the interpreter) run dK/dV and dQ in turn
     monkeypatch.setattr(ops, "_dkdv_stream", lambda device: pytest.fail("side stream requested for a CPU call"))
     q, k, v = random_qkv(2, 45, 77, 4, 2, 32, torch.float32)
-    with kernel_config.override(**strategy):
+    with kernel_options.override(**strategy):
         out = flashpatch.flash_attn_func(q, k, v, causal=True)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)

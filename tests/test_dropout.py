@@ -8,7 +8,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import flashpatch
-from flashpatch.kernels import config as kernel_config
+from flashpatch.kernels import options as kernel_options
 from flashpatch.kernels.config import LaunchConfig
 from flashpatch.reference import attention_reference
 from tests.helpers import check_against_reference, random_qkv
@@ -79,7 +79,7 @@ def test_mask_does_not_depend_on_block_sizes():
     results = []
     for blocks in ((16, 16), (32, 64)):
         cfg = LaunchConfig(*blocks)
-        with kernel_config.override(fwd=cfg, bwd_dq=cfg, bwd_dkdv=LaunchConfig(blocks[1], blocks[0])):
+        with kernel_options.override(fwd=cfg, bwd_dq=cfg, bwd_dkdv=LaunchConfig(blocks[1], blocks[0])):
             torch.manual_seed(7)
             out, pattern = _run(q, k, v, 0.4, causal=True)
             results.append((out, pattern, *torch.autograd.grad(out, (q, k, v), dout)))

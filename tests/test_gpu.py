@@ -1,7 +1,7 @@
 """GPU checks at training sizes, bf16 and fp16 (the CPU interpreter cannot check bf16): `pytest -m gpu`.
 
 Same bar as on CPU: error against float64 within 2x (outputs) / 3x (gradients) of PyTorch's own error in the
-input dtype. scripts/gpu_suite.sh runs these, then the benchmarks.
+input dtype. tools/gpu_suite.sh runs these, then the benchmarks.
 """
 
 import pytest
@@ -9,7 +9,9 @@ import torch
 
 import flashpatch
 from flashpatch.kernels import config as kernel_config
-from flashpatch.kernels import hopper_common, hopper_dkdv, hopper_dq, hopper_fwd
+from flashpatch.kernels import options as kernel_options
+from flashpatch.kernels import sm90
+from flashpatch.kernels.sm90 import dkdv as sm90_dkdv, dq as sm90_dq, fwd as sm90_fwd
 from flashpatch.padding import cu_seqlens_from_lengths
 from flashpatch.reference import varlen_attention_reference
 from tests.helpers import check_against_reference, random_qkv
@@ -95,7 +97,7 @@ def test_alibi_matches_float64(case, dtype):
 @pytest.mark.parametrize("atomic_dq", [False, True])
 def test_dq_strategies_bf16(atomic_dq):
     q, k, v = random_qkv(2, 1024, 1024, 8, 2, 128, torch.bfloat16, device="cuda")
-    with kernel_config.override(atomic_dq=atomic_dq):
+    with kernel_options.override(atomic_dq=atomic_dq):
         out = flashpatch.flash_attn_func(q, k, v, causal=True)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -113,7 +115,7 @@ def test_tma_tiles_in_every_kernel_bf16(atomic_dq, causal):
     tma = {name: replace(getattr(base, name), tma=True) for name in ("fwd", "bwd_dkdv", "bwd_dq")}
     q, k, v = random_qkv(2, 1000, 1000, 8, 2, 128, torch.bfloat16, device="cuda")
     assert flashpatch.ops.tma_usable(128, q, k, v)
-    with kernel_config.override(atomic_dq=atomic_dq, **tma):
+    with kernel_options.override(atomic_dq=atomic_dq, **tma):
         out = flashpatch.flash_attn_func(q, k, v, causal=causal)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -146,7 +148,7 @@ def _gluon_id(case):
 
 
 needs_gluon = pytest.mark.skipif(
-    not (hopper_common.enabled() and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    not (sm90.enabled() and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
     reason="the Gluon kernels are for sm_90 with the Triton release they were checked on")
 
 
@@ -176,30 +178,28 @@ def test_gluon_grid_forms_match_float64_bf16(case, persistent, scheduled, monkey
     # per query block. GQA causal, rows that see no key, d64 unmasked, and 320 blocks (more than an H100's 132 SMs:
     # three rounds, the last one partial); a persistent causal forward takes its blocks from schedule.causal_schedule's
     # table (in head groups of 4 in the 320-block case, the last group of 2) or from the closed form
-    monkeypatch.setattr(hopper_fwd, "PERSISTENT", persistent)
-    monkeypatch.setattr(hopper_fwd, "CAUSAL_SCHEDULE", scheduled)
-    monkeypatch.setattr(hopper_dq, "PERSISTENT", persistent)
-    _check_gluon_case(case, torch.bfloat16, monkeypatch)
+    _check_gluon_case(case, torch.bfloat16, monkeypatch, persistent_fwd=persistent, causal_schedule=scheduled,
+                      persistent_dq=persistent)
 
 
 @needs_gluon
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", [GLUON_CASES[i] for i in (0, 1, 2, 3, 7)] + [GLUON_CASES[1][:-1] + ("bshd", True)],
                          ids=_gluon_id)
-def test_gluon_forward_pipelined_pv_is_bit_identical(case, dtype, monkeypatch):
-    # The persistent forward's pipelined loop (hopper_fwd.LAZY_PV: block i - 1's P V issued with block i's S) does
-    # the same arithmetic in the same order as the one-step loop: outputs and LSE equal bit for bit. GQA causal,
-    # Sq < Sk and Sq > Sk (rows that see no key), unmasked (B, H, S, D) memory, 320 blocks, ALiBi
+def test_gluon_forward_pipelined_pv_is_bit_identical(case, dtype):
+    # The persistent forward's consumers are pipelined by one matmul (sm90.fwd._fwd_block_pipelined: block i - 1's
+    # P V issued with block i's S), the per-block program's are not (_fwd_block); at head dim 128 both run two
+    # consumer warpgroups of 64 queries and the same arithmetic in the same order: outputs and LSE equal bit for bit.
+    # GQA causal, Sq < Sk and Sq > Sk (rows that see no key), unmasked (B, H, S, D) memory, 320 blocks, ALiBi
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order, *alibi = case
+    assert headdim == 128  # at 64 the per-block program runs three consumers
     q, k, v = (t.detach() for t in _gluon_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, order, dtype))
     slopes = _geometric_slopes(batch, nheads) if alibi and alibi[0] else None
-    monkeypatch.setattr(hopper_fwd, "PERSISTENT", True)
     results = {}
-    with kernel_config.override(gluon_fwd=True):
-        for lazy in (False, True):
-            monkeypatch.setattr(hopper_fwd, "LAZY_PV", lazy)
-            results[lazy] = flashpatch.flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes,
-                                                       return_attn_probs=True)[:2]
+    for persistent in (False, True):
+        with kernel_options.override(gluon_fwd=True, persistent_fwd=persistent):
+            results[persistent] = flashpatch.flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes,
+                                                             return_attn_probs=True)[:2]
     (out0, lse0), (out1, lse1) = results[False], results[True]
     assert not torch.isnan(out1).any()
     assert torch.equal(out0, out1) and torch.equal(lse0, lse1)
@@ -209,14 +209,12 @@ def test_gluon_forward_pipelined_pv_is_bit_identical(case, dtype, monkeypatch):
 def test_gluon_forward_in_a_cuda_graph_before_its_schedule_exists(monkeypatch):
     # A persistent causal forward first met inside a CUDA graph capture cannot copy its block table to the GPU
     # (schedule.causal_schedule_tensor): it runs the closed form there, whose outputs are the table's, bit for bit
-    from flashpatch.kernels import schedule
+    from flashpatch.kernels.sm90 import schedule
 
-    monkeypatch.setattr(hopper_fwd, "PERSISTENT", True)
     q, k, v = (t.detach() for t in _gluon_qkv(2, 1280, 1280, 5, 5, 128, "bshd", torch.bfloat16))
-    with kernel_config.override(gluon_fwd=True):
-        monkeypatch.setattr(hopper_fwd, "CAUSAL_SCHEDULE", False)
-        flashpatch.flash_attn_func(q, k, v, causal=True)  # compiles the closed form outside the capture
-        monkeypatch.setattr(hopper_fwd, "CAUSAL_SCHEDULE", True)
+    with kernel_options.override(gluon_fwd=True, persistent_fwd=True):
+        with kernel_options.override(causal_schedule=False):
+            flashpatch.flash_attn_func(q, k, v, causal=True)  # compiles the closed form outside the capture
         monkeypatch.setattr(schedule, "_TABLES", {})
         expected = flashpatch.flash_attn_func(q, k, v, causal=True)  # from the table
         monkeypatch.setattr(schedule, "_TABLES", {})
@@ -244,11 +242,12 @@ def _gluon_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, order, dtyp
     return [tensor(n, h).requires_grad_() for n, h in ((seqlen_q, nheads), (seqlen_k, nheads_k), (seqlen_k, nheads_k))]
 
 
-def _check_gluon_case(case, dtype, monkeypatch, make_slopes=None):
-    """A GLUON_CASES case, asserting that all three Gluon kernels ran; make_slopes(batch, nheads) adds ALiBi."""
+def _check_gluon_case(case, dtype, monkeypatch, make_slopes=None, **options):
+    """A GLUON_CASES case, asserting that all three Gluon kernels ran; make_slopes(batch, nheads) adds ALiBi;
+    options: kernel_options.override's."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order = case
     calls = []
-    for module, name in ((hopper_fwd, "attn_fwd"), (hopper_dkdv, "attn_bwd_dkdv"), (hopper_dq, "attn_bwd_dq")):
+    for module, name in ((sm90_fwd, "attn_fwd"), (sm90_dkdv, "attn_bwd_dkdv"), (sm90_dq, "attn_bwd_dq")):
         launch = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _launch=launch, _name=name, **kw: calls.append(_name)
                             or _launch(*a, **kw))
@@ -258,7 +257,7 @@ def _check_gluon_case(case, dtype, monkeypatch, make_slopes=None):
     if make_slopes is not None:
         kwargs["alibi_slopes"] = make_slopes(batch, nheads)
     # the separate dQ pass even where config fuses dQ into dK/dV (long rows; tested on its own below)
-    with kernel_config.override(gluon_fwd=True, gluon_dkdv=True, gluon_dq=True, fused_dq=False):
+    with kernel_options.override(gluon_fwd=True, gluon_dkdv=True, gluon_dq=True, fused_dq=False, **options):
         out = flashpatch.flash_attn_func(q, k, v, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -277,7 +276,7 @@ def _check_gluon_case(case, dtype, monkeypatch, make_slopes=None):
     (2, 384, 128, 4, 1, 128, True, "bshd"),
 ], ids=_gluon_id)
 def test_gluon_dkdv_kv_forms_match_triton_bitwise_bf16(case, register_kv, monkeypatch):
-    # The Gluon dK/dV with K and V in registers or read from shared memory (hopper_dkdv.register_kv picks one per
+    # The Gluon dK/dV with K and V in registers or read from shared memory (sm90_dkdv.register_kv picks one per
     # head dim; round 29 found two miscompiled register forms under the causal mask, NOTES.md v40, v41): both
     # accumulate the Triton kernel's products in its order, so dK and dV are bit-identical to it, and within the
     # float64 bar.
@@ -285,12 +284,11 @@ def test_gluon_dkdv_kv_forms_match_triton_bitwise_bf16(case, register_kv, monkey
     q, k, v = _gluon_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, order, torch.bfloat16)
     dout = torch.randn(batch, seqlen_q, nheads, headdim, device="cuda", dtype=torch.bfloat16)
     calls = []
-    launch = hopper_dkdv.attn_bwd_dkdv
-    monkeypatch.setattr(hopper_dkdv, "attn_bwd_dkdv", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
-    monkeypatch.setattr(hopper_dkdv, "REGISTER_KV", register_kv)
+    launch = sm90_dkdv.attn_bwd_dkdv
+    monkeypatch.setattr(sm90_dkdv, "attn_bwd_dkdv", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
     grads = {}
     for gluon in (False, True):
-        with kernel_config.override(gluon_fwd=False, gluon_dkdv=gluon, gluon_dq=False):
+        with kernel_options.override(gluon_fwd=False, gluon_dkdv=gluon, gluon_dq=False, register_kv=register_kv):
             out = flashpatch.flash_attn_func(q, k, v, causal=causal)
             grads[gluon] = torch.autograd.grad(out, (q, k, v), dout)
     assert len(calls) == 1
@@ -302,8 +300,8 @@ def test_gluon_dkdv_kv_forms_match_triton_bitwise_bf16(case, register_kv, monkey
 def _spy_fused_dq(monkeypatch) -> list:
     """Whether each Gluon dK/dV launch was handed an fp32 dQ buffer to add into (the fused dQ)."""
     fused = []
-    launch = hopper_dkdv.attn_bwd_dkdv
-    monkeypatch.setattr(hopper_dkdv, "attn_bwd_dkdv", lambda *a, **kw: fused.append(kw.get("dq_accum") is not None)
+    launch = sm90_dkdv.attn_bwd_dkdv
+    monkeypatch.setattr(sm90_dkdv, "attn_bwd_dkdv", lambda *a, **kw: fused.append(kw.get("dq_accum") is not None)
                         or launch(*a, **kw))
     return fused
 
@@ -322,7 +320,7 @@ def _spy_fused_dq(monkeypatch) -> list:
     (2, 640, 1152, 4, 2, 128, False, "bhsd", True),
 ], ids=_gluon_id)
 def test_gluon_dkdv_fused_dq_matches_float64_bf16(case, monkeypatch):
-    # The Gluon dK/dV adds dQ into the fp32 buffer itself (hopper_dkdv._fused_dq, _dq_reducer: dS split along D
+    # The Gluon dK/dV adds dQ into the fp32 buffer itself (sm90_dkdv._fused_dq, _dq_reducer: dS split along D
     # between the consumers, each step's partial TMA-reduced by a warp of its own), forced on at short rows.
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order, alibi = case
     q, k, v = _gluon_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, order, torch.bfloat16)
@@ -330,7 +328,7 @@ def test_gluon_dkdv_fused_dq_matches_float64_bf16(case, monkeypatch):
     if alibi:
         kwargs["alibi_slopes"] = _geometric_slopes(batch, nheads)
     fused = _spy_fused_dq(monkeypatch)
-    with kernel_config.override(fused_dq=True):
+    with kernel_options.override(fused_dq=True):
         out = flashpatch.flash_attn_func(q, k, v, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -367,7 +365,7 @@ def test_fused_dq_where_keys_are_long_unless_deterministic_bf16(causal, monkeypa
 ], ids=lambda c: (f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-d{c[5]}-{'causal' if c[6] else 'full'}-p{c[7]}"
                   + ("-alibi" if c[8] else "")))
 def test_gluon_dq_dropout_matches_float64_bf16(case, monkeypatch):
-    # The Gluon dQ draws common.dropout_keep's bits in the wgmma accumulator layout (hopper_dq.dropout_keep_acc):
+    # The Gluon dQ draws common.dropout_keep's bits in the wgmma accumulator layout (sm90_dq.dropout_keep_acc):
     # the pattern that the separate dropout_mask kernel writes must be the one it applied. The forward and dK/dV with
     # dropout are the Gluon ones at head dim 128 (v54, v51), the Triton ones at 64.
     _check_gluon_dq_dropout(case, monkeypatch)
@@ -378,21 +376,21 @@ def test_gluon_dq_dropout_matches_float64_bf16(case, monkeypatch):
 def test_gluon_dq_grid_forms_dropout_match_float64_bf16(persistent, monkeypatch):
     # a persistent dQ finds each block's dropout counters from its tile, a per-block one from its program; the
     # dropout cases above take config.persistent_grid's form (persistent: at most 8 query blocks)
-    monkeypatch.setattr(hopper_dq, "PERSISTENT", persistent)
-    _check_gluon_dq_dropout((2, 1024, 1024, 8, 2, 128, True, 0.1, False), monkeypatch)
+    _check_gluon_dq_dropout((2, 1024, 1024, 8, 2, 128, True, 0.1, False), monkeypatch, persistent_dq=persistent)
 
 
-def _check_gluon_dq_dropout(case, monkeypatch):
+def _check_gluon_dq_dropout(case, monkeypatch, **options):
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, p, alibi = case
     calls = _check_dropout_launches((batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim), torch.bfloat16, causal, p,
-                                    alibi, [(hopper_fwd, "attn_fwd"), (hopper_dq, "attn_bwd_dq")],
-                                    dict(gluon_fwd=True, gluon_dq=True, atomic_dq=False, fused_dq=False), monkeypatch)
+                                    alibi, [(sm90_fwd, "attn_fwd"), (sm90_dq, "attn_bwd_dq")],
+                                    dict(gluon_fwd=True, gluon_dq=True, atomic_dq=False, fused_dq=False, **options),
+                                    monkeypatch)
     # the dQ pass, not the dQ fused into dK/dV that config takes for long rows
     assert calls == ([("attn_fwd", p)] if headdim == 128 else []) + [("attn_bwd_dq", p)]
 
 
 def _check_dropout_launches(shape, dtype, causal, p, alibi, launches, overrides, monkeypatch):
-    """One dropout call under kernel_config.override(**overrides) against float64 with the pattern the separate
+    """One dropout call under kernel_options.override(**overrides) against float64 with the pattern the separate
     dropout_mask kernel writes; returns the (launcher, dropout_p) calls made of `launches` ((module, name) pairs)."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = shape
     calls = []
@@ -405,7 +403,7 @@ def _check_dropout_launches(shape, dtype, causal, p, alibi, launches, overrides,
     kwargs = {"dropout_p": p, "causal": causal}
     if alibi:
         kwargs["alibi_slopes"] = _geometric_slopes(batch, nheads)
-    with kernel_config.override(**overrides):
+    with kernel_options.override(**overrides):
         out, _, pattern = flashpatch.flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -413,7 +411,7 @@ def _check_dropout_launches(shape, dtype, causal, p, alibi, launches, overrides,
     return calls
 
 
-# Dropout calls for the drawer warps' GPU tests (hopper_dkdv._keep_drawer, hopper_fwd._fwd_keep_drawer): (batch, Sq,
+# Dropout calls for the drawer warps' GPU tests (sm90_dkdv._keep_drawer, sm90_fwd._fwd_keep_drawer): (batch, Sq,
 # Sk, heads, K/V heads, causal, p, ALiBi, dtype), head dim 128
 DRAWER_DROPOUT_CASES = [
     (2, 1024, 1024, 8, 2, True, 0.1, False, torch.bfloat16),
@@ -439,12 +437,12 @@ def _drawer_case_id(c):
 @pytest.mark.parametrize("fused", [False, True], ids=["dq_pass", "fused_dq"])
 def test_gluon_dkdv_dropout_matches_float64(case, fused, monkeypatch):
     # The Gluon dK/dV takes its keep bits from drawer warps as one packed word per consumer thread
-    # (hopper_dkdv._keep_drawer, _keep_tile): the pattern that the separate dropout_mask kernel writes must be the one
+    # (sm90_dkdv._keep_drawer, _keep_tile): the pattern that the separate dropout_mask kernel writes must be the one
     # it applied, with the Gluon dQ pass beside it or dQ added by the kernel itself, whose dS carries the bits (the
     # forward is the Triton kernel's)
     batch, seqlen_q, seqlen_k, nheads, nheads_k, causal, p, alibi, dtype = case
     calls = _check_dropout_launches((batch, seqlen_q, seqlen_k, nheads, nheads_k, 128), dtype, causal, p, alibi,
-                                    [(hopper_dkdv, "attn_bwd_dkdv"), (hopper_dq, "attn_bwd_dq")],
+                                    [(sm90_dkdv, "attn_bwd_dkdv"), (sm90_dq, "attn_bwd_dq")],
                                     dict(gluon_dkdv=True, gluon_dq=True, atomic_dq=False, fused_dq=fused), monkeypatch)
     assert sorted(calls) == [("attn_bwd_dkdv", p)] + ([] if fused else [("attn_bwd_dq", p)])
 
@@ -453,11 +451,11 @@ def test_gluon_dkdv_dropout_matches_float64(case, fused, monkeypatch):
 @pytest.mark.parametrize("case", DRAWER_DROPOUT_CASES, ids=_drawer_case_id)
 def test_gluon_forward_dropout_matches_float64(case, monkeypatch):
     # The Gluon forward takes its keep bits from drawer warps as two packed words per consumer thread
-    # (hopper_fwd._fwd_keep_drawer, _fwd_keep_tile): the pattern that the separate dropout_mask kernel writes must be
+    # (sm90_fwd._fwd_keep_drawer, _fwd_keep_tile): the pattern that the separate dropout_mask kernel writes must be
     # the one it applied (the backward is whatever config chooses, and draws the same bits)
     batch, seqlen_q, seqlen_k, nheads, nheads_k, causal, p, alibi, dtype = case
     calls = _check_dropout_launches((batch, seqlen_q, seqlen_k, nheads, nheads_k, 128), dtype, causal, p, alibi,
-                                    [(hopper_fwd, "attn_fwd")], dict(gluon_fwd=True), monkeypatch)
+                                    [(sm90_fwd, "attn_fwd")], dict(gluon_fwd=True), monkeypatch)
     assert calls == [("attn_fwd", p)]
 
 
@@ -586,7 +584,7 @@ def test_concurrent_dq_matches_serial(case, monkeypatch):
     dout = torch.randn_like(out)
     grads = {}
     for concurrent in (False, True):
-        with kernel_config.override(concurrent_dq=concurrent):
+        with kernel_options.override(concurrent_dq=concurrent):
             grads[concurrent] = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     assert used, "the concurrent backward did not use the side stream"
     for serial, concurrent in zip(grads[False], grads[True]):

@@ -14,7 +14,9 @@ import torch
 import flashpatch
 from flashpatch import ops
 from flashpatch.kernels import config as kernel_config
-from flashpatch.kernels import schedule
+from flashpatch.kernels import options as kernel_options
+from flashpatch.kernels.config import LaunchConfig
+from flashpatch.kernels.sm90 import schedule
 from flashpatch.padding import cu_seqlens_from_lengths
 from flashpatch.reference import varlen_attention_reference
 from tests.helpers import check_against_reference, random_qkv
@@ -33,11 +35,10 @@ def tma_capable(monkeypatch):
 
 @pytest.mark.parametrize("blocks_fastest,head_group", [(False, None), (True, None), (True, 3), (True, 0)])
 @pytest.mark.parametrize("kwargs", [{"causal": True}, {"window_size": (9, 3)}, {}], ids=str)
-def test_grid_orders_match_reference(blocks_fastest, head_group, kwargs, monkeypatch):
+def test_grid_orders_match_reference(blocks_fastest, head_group, kwargs):
     # head groups (config.head_group): 3 leaves a partial last group (8 query heads, 4 K/V heads); 0 is one group
-    monkeypatch.setattr(kernel_config, "HEAD_GROUP_OVERRIDE", head_group)
     q, k, v = random_qkv(2, 45, 70, 4, 2, 32, torch.float32)
-    with kernel_config.override(**launches(blocks_fastest, tma=False)):
+    with kernel_options.override(head_group=head_group, **launches(blocks_fastest, tma=False)):
         out = flashpatch.flash_attn_func(q, k, v, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -50,7 +51,7 @@ def test_tma_tiles_match_reference(tma_capable, seqlens, kwargs):
     # rows past the sequence end come from the descriptor's zero fill, not from masks: odd lengths test that
     q, k, v = random_qkv(2, *seqlens, 4, 2, 32, torch.float16)
     assert ops.tma_usable(32, q, k, v)
-    with kernel_config.override(**launches(blocks_fastest=True, tma=True)):
+    with kernel_options.override(**launches(blocks_fastest=True, tma=True)):
         out = flashpatch.flash_attn_func(q, k, v, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -62,7 +63,7 @@ def test_tma_tiles_varlen_match_reference(tma_capable):
     lengths = [23, 1, 40, 9]
     cu = cu_seqlens_from_lengths(torch.tensor(lengths))
     q, k, v = (torch.randn(sum(lengths), h, 32, dtype=torch.float16, requires_grad=True) for h in (4, 2, 2))
-    with kernel_config.override(**launches(blocks_fastest=True, tma=True)):
+    with kernel_options.override(**launches(blocks_fastest=True, tma=True)):
         out = flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -102,7 +103,7 @@ def test_unmasked_tile_loads_match_reference(even_tiles, kwargs):
     # bounds masks (ops._even); 64 queries against 96 keys also puts the causal diagonal off the tile corners
     q, k, v = random_qkv(2, 64, 96, 4, 2, 32, torch.float32)
     assert ops._even(even_tiles, False, 32, 64, 32, 96, 32) == even_tiles
-    with kernel_config.override(even_tiles=even_tiles):
+    with kernel_options.override(even_tiles=even_tiles):
         out = flashpatch.flash_attn_func(q, k, v, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -123,7 +124,7 @@ def dp_first_override(enabled: bool):
 def test_dp_first_dkdv_order_matches_reference(seqlens, kwargs):
     # LaunchConfig.dp_first: the dK/dV kernel computes dPᵀ before the softmax (backward._dkdv_inner)
     q, k, v = random_qkv(2, *seqlens, 4, 2, 32, torch.float32)
-    with kernel_config.override(**dp_first_override(True)):
+    with kernel_options.override(**dp_first_override(True)):
         out = flashpatch.flash_attn_func(q, k, v, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -137,7 +138,7 @@ def test_dp_first_dkdv_order_with_dropout_gives_the_same_gradients():
     grads = []
     for enabled in (False, True):
         torch.manual_seed(0)
-        with kernel_config.override(**dp_first_override(enabled)):
+        with kernel_options.override(**dp_first_override(enabled)):
             out = flashpatch.flash_attn_func(q, k, v, dropout_p=0.3, causal=True)
             grads.append(torch.autograd.grad(out, (q, k, v), dout))
     for plain, reordered in zip(*grads):
@@ -151,9 +152,9 @@ def configs_for_calls(monkeypatch):
     calls = []
     configs_for = kernel_config.configs_for
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         calls.append(args)
-        return configs_for(*args)
+        return configs_for(*args, **kwargs)
 
     monkeypatch.setattr(kernel_config, "configs_for", spy)
     return calls
@@ -197,64 +198,61 @@ def test_fused_dq_only_for_d128_rows_with_long_keys():
 @pytest.mark.parametrize("headdim,accum_dtype,accum_rows", [(64, torch.float32, 17), (128, torch.bfloat16, 17),
                                                              (128, torch.float32, 16)])
 def test_gluon_dkdv_refuses_a_dq_buffer_it_cannot_add_into(headdim, accum_dtype, accum_rows):
-    # the fused dQ (hopper_dkdv.fuses_dq) is head dim 128 only and adds into an fp32 buffer shaped like q; anything
+    # the fused dQ (sm90_dkdv.fuses_dq) is head dim 128 only and adds into an fp32 buffer shaped like q; anything
     # else is refused before a descriptor is built, so it fails the same on a CPU
-    from flashpatch.kernels import hopper_dkdv
+    from flashpatch.kernels.sm90 import dkdv as sm90_dkdv
 
     q, k, v = random_qkv(1, 17, 17, 2, 1, headdim, torch.float16, requires_grad=False)
     lse = torch.zeros(1, 2, 17)
     accum = torch.zeros(1, accum_rows, 2, headdim, dtype=accum_dtype)
     with pytest.raises(ValueError, match="fuses_dq|dq_accum must be float32"):
-        hopper_dkdv.attn_bwd_dkdv(q, k, v, q, lse, lse.clone(), k.clone(), v.clone(), 1.0, 1.0, True,
+        sm90_dkdv.attn_bwd_dkdv(q, k, v, q, lse, lse.clone(), k.clone(), v.clone(), 1.0, 1.0, True,
                                   dq_accum=accum)
 
 
 @pytest.mark.parametrize("headdim,with_seed", [(64, True), (128, False)], ids=["d64", "no_seed_offset"])
 def test_gluon_dkdv_refuses_dropout_it_cannot_draw(headdim, with_seed):
-    # the drawer warps (hopper_dkdv._keep_drawer) serve head dim 128, from a (seed, offset) tensor; a call outside
+    # the drawer warps (sm90_dkdv._keep_drawer) serve head dim 128, from a (seed, offset) tensor; a call outside
     # that is refused naming the values, before a descriptor is built
-    from flashpatch.kernels import hopper_dkdv
+    from flashpatch.kernels.sm90 import dkdv as sm90_dkdv
 
     q, k, v = random_qkv(1, 17, 17, 2, 1, headdim, torch.float16, requires_grad=False)
     lse = torch.zeros(1, 2, 17)
     seed_offset = torch.zeros(2, dtype=torch.int64) if with_seed else None
     refused = "at head dim 64 with seed_offset=tensor|at head dim 128 with seed_offset=None"
     with pytest.raises(ValueError, match=refused):
-        hopper_dkdv.attn_bwd_dkdv(q, k, v, q, lse, lse.clone(), k.clone(), v.clone(), 1.0, 1.0, True,
+        sm90_dkdv.attn_bwd_dkdv(q, k, v, q, lse, lse.clone(), k.clone(), v.clone(), 1.0, 1.0, True,
                                   seed_offset=seed_offset, dropout_p=0.1)
 
 
 @pytest.mark.parametrize("headdim,with_seed", [(64, True), (128, False)], ids=["d64", "no_seed_offset"])
 def test_gluon_forward_refuses_dropout_it_cannot_draw(headdim, with_seed):
-    # the forward's drawer warps (hopper_fwd._fwd_keep_drawer) serve head dim 128, from a (seed, offset) tensor, and
+    # the forward's drawer warps (sm90_fwd._fwd_keep_drawer) serve head dim 128, from a (seed, offset) tensor, and
     # `supported` keeps every other dropout call on the Triton kernel; a direct call outside that is refused naming
     # the values, before a descriptor is built
-    from flashpatch.kernels import hopper_fwd
+    from flashpatch.kernels.sm90 import fwd as sm90_fwd
 
     q, k, v = random_qkv(1, 17, 17, 2, 1, headdim, torch.float16, requires_grad=False)
     seed_offset = torch.zeros(2, dtype=torch.int64) if with_seed else None
     refused = "at head dim 64 with seed_offset=tensor|at head dim 128 with seed_offset=None"
     with pytest.raises(ValueError, match=refused):
-        hopper_fwd.attn_fwd(q, k, v, torch.empty_like(q), torch.zeros(1, 2, 17), 1.0, True, seed_offset=seed_offset,
+        sm90_fwd.attn_fwd(q, k, v, torch.empty_like(q), torch.zeros(1, 2, 17), 1.0, True, seed_offset=seed_offset,
                             dropout_p=0.1)
 
 
-@pytest.mark.parametrize("drawer_warps", [2, 4])
-def test_gluon_forward_dropout_register_split_is_one_setmaxnreg_can_take(drawer_warps):
-    # the dropout forward launches its 9 + 2 drawer_warps warps as whole warpgroups (16 or 20) at `maxnreg` registers;
+def test_gluon_forward_dropout_register_split_is_one_setmaxnreg_can_take():
+    # the dropout forward launches its 9 + 2 DRAWER_WARPS warps as whole warpgroups (20) at `maxnreg` registers;
     # warp_specialize hands the worker consumer, the producer's and the drawers' warpgroups their setmaxnreg counts
     # and the default partition's consumer the rest of the pool, which must match the worker consumer's. setmaxnreg
     # takes multiples of 8 in [24, 256]: a count outside that fails only at a GPU launch.
-    from flashpatch.kernels import hopper_fwd
+    from flashpatch.kernels.sm90 import fwd as sm90_fwd
 
-    maxnreg, consumer, worker = hopper_fwd.dropout_registers(drawer_warps)
-    groups = {2: 4, 4: 5}[drawer_warps]  # 8 consumer warps, the producer's and 2 x drawer_warps, in fours
+    maxnreg, consumer, worker = sm90_fwd.dropout_registers()
+    groups = -(-(9 + 2 * sm90_fwd.DRAWER_WARPS) // 4)  # 8 consumer warps, the producer's and the drawers', in fours
     for count in (consumer, worker):
-        assert 24 <= count <= 256 and count % 8 == 0, (drawer_warps, consumer, worker)
+        assert 24 <= count <= 256 and count % 8 == 0, (consumer, worker)
     assert 2 * consumer + (groups - 2) * worker == groups * maxnreg  # nothing of the pool left idle
     assert maxnreg % 8 == 0 and groups * 128 * maxnreg <= 65536  # the register file
-    with pytest.raises(ValueError, match="drawer_warps must be 2 or 4, got 3"):
-        hopper_fwd.dropout_registers(3)
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (1, 17), (17, 1), (113, 113), (45, 70), (70, 45), (5, 1023)])
@@ -304,14 +302,14 @@ def test_ops_tell_config_whether_heads_are_grouped(configs_for_calls):
 
 @pytest.mark.parametrize("order", ["bshd", "bhsd", "sbhd"])
 def test_gluon_rows_view_addresses_each_heads_rows(order):
-    from flashpatch.kernels import hopper_common
+    from flashpatch.kernels.sm90 import common as sm90_common
 
     batch, seqlen, heads, headdim = 3, 8, 5, 4
     physical = {"bshd": (0, 1, 2, 3), "bhsd": (0, 2, 1, 3), "sbhd": (1, 0, 2, 3)}[order]
     shape = [(batch, seqlen, heads, headdim)[i] for i in physical]
     t = torch.arange(batch * seqlen * heads * headdim, dtype=torch.float32).view(shape)
     t = t.permute([physical.index(i) for i in range(4)])  # seen as (B, S, H, D)
-    view = hopper_common.rows_view(t)
+    view = sm90_common.rows_view(t)
     if order == "sbhd":  # a (batch, head)'s positions are not evenly spaced rows of any 2-D view
         assert view is None
         return
@@ -323,14 +321,14 @@ def test_gluon_rows_view_addresses_each_heads_rows(order):
 
 
 def test_gluon_kernels_only_on_sm90_cuda_tensors():
-    from flashpatch.kernels import hopper_dkdv, hopper_dq, hopper_fwd
+    from flashpatch.kernels.sm90 import dkdv as sm90_dkdv, dq as sm90_dq, fwd as sm90_fwd
 
     q, k, v = random_qkv(1, 128, 128, 2, 2, 128, torch.float16, requires_grad=False)
     scope = dict(varlen=False, max_seqlen_q=128, max_seqlen_k=128, window_left=-1, window_right=0, softcap=0.0,
                  dropout_p=0.0)
-    assert not hopper_fwd.supported(q, k, v, **scope)
-    assert not hopper_dkdv.supported(q, k, v, q, **scope)
-    assert not hopper_dq.supported(q, k, v, q, **scope)
+    assert not sm90_fwd.supported(q, k, v, **scope)
+    assert not sm90_dkdv.supported(q, k, v, q, **scope)
+    assert not sm90_dq.supported(q, k, v, q, **scope)
 
 
 def test_gluon_kernels_chosen_where_they_measured_faster():
@@ -357,41 +355,39 @@ def test_causal_grids_end_on_many_heads_light_blocks(monkeypatch):
     assert [kernel_config.head_group(True, n // 128, gpu) for n in (2048, 4096, 8192, 16384, 32768)] == \
         [8, 4, 2, 1, 1]
     assert kernel_config.head_group(True, 32, torch.device("cpu")) == 1  # the interpreter: order is moot
-    monkeypatch.setattr(kernel_config, "HEAD_GROUP_OVERRIDE", 3)
-    assert kernel_config.head_group(False, 32, gpu) == 3
-    monkeypatch.setattr(kernel_config, "HEAD_GROUP_OVERRIDE", -2)
-    with pytest.raises(ValueError, match="-2"):
-        kernel_config.head_group(True, 32, gpu)
+    assert kernel_config.head_group(False, 32, gpu, forced=3) == 3  # options.KernelOptions.head_group
+    with pytest.raises(ValueError, match="-2"), kernel_options.override(head_group=-2):
+        pass
 
 
 def test_gluon_switch_and_triton_release_gate(monkeypatch):
-    from flashpatch.kernels import hopper_common
+    from flashpatch.kernels import sm90
 
-    monkeypatch.setattr(hopper_common, "AVAILABLE", True)
-    monkeypatch.setattr(hopper_common.triton, "__version__", "3.6.0")
+    monkeypatch.setattr(sm90, "AVAILABLE", True)
+    monkeypatch.setattr(sm90.triton, "__version__", "3.6.0")
     monkeypatch.delenv("FLASHPATCH_GLUON", raising=False)
-    assert hopper_common.enabled()
+    assert sm90.enabled()
     monkeypatch.setenv("FLASHPATCH_GLUON", "0")
-    assert not hopper_common.enabled()
+    assert not sm90.enabled()
     monkeypatch.delenv("FLASHPATCH_GLUON")
-    monkeypatch.setattr(hopper_common.triton, "__version__", "3.9.0")  # a release the kernels were not checked on
-    assert not hopper_common.enabled()
+    monkeypatch.setattr(sm90.triton, "__version__", "3.9.0")  # a release the kernels were not checked on
+    assert not sm90.enabled()
 
 
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1024, 1024), (1000, 1024), (1024, 1000), (17, 113), (1, 128)])
 def test_gluon_kernels_take_only_lengths_that_divide_their_tiles(monkeypatch, seqlen_q, seqlen_k):
     # The 2-D TMA views run on into the next head's rows, so a partial tile must go to the Triton kernels.
-    from flashpatch.kernels import hopper_dkdv, hopper_dq, hopper_fwd
+    from flashpatch.kernels.sm90 import dkdv as sm90_dkdv, dq as sm90_dq, fwd as sm90_fwd
 
-    for module in (hopper_fwd, hopper_dkdv, hopper_dq):
+    for module in (sm90_fwd, sm90_dkdv, sm90_dq):
         monkeypatch.setattr(module, "sm90_dense_ok", lambda *tensors, **scope: True)
     q, k, v = random_qkv(1, seqlen_q, seqlen_k, 2, 2, 128, torch.float16, requires_grad=False)
     scope = dict(varlen=False, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, window_left=-1, window_right=0,
                  softcap=0.0, dropout_p=0.0)
     divides = seqlen_q % 128 == 0 and seqlen_k % 128 == 0
-    assert hopper_fwd.supported(q, k, v, **scope) == divides
-    assert hopper_dq.supported(q, k, v, q, **scope) == divides
-    assert hopper_dkdv.supported(q, k, v, q, **scope) == (seqlen_q % 64 == 0 and seqlen_k % 128 == 0)
+    assert sm90_fwd.supported(q, k, v, **scope) == divides
+    assert sm90_dq.supported(q, k, v, q, **scope) == divides
+    assert sm90_dkdv.supported(q, k, v, q, **scope) == (seqlen_q % 64 == 0 and seqlen_k % 128 == 0)
 
 
 @pytest.mark.parametrize("headdim,dropout", [(64, False), (128, False), (128, True)])
@@ -400,17 +396,17 @@ def test_gluon_dkdv_register_split_is_one_setmaxnreg_can_take(headdim, dropout):
     # third warpgroup (producer, reducer, drawer warps) their counts; the default partition's consumer gets the rest
     # of the three warpgroups' share. setmaxnreg takes multiples of 8 in [24, 256]: a count outside that fails only
     # at a GPU launch.
-    from flashpatch.kernels import hopper_dkdv
+    from flashpatch.kernels.sm90 import dkdv as sm90_dkdv
 
-    worker = hopper_dkdv.consumer_registers(headdim, dropout)
-    default = hopper_dkdv.default_consumer_registers(worker, dropout)
-    third = hopper_dkdv.worker_registers(dropout)
+    worker = sm90_dkdv.consumer_registers(headdim, dropout)
+    default = sm90_dkdv.default_consumer_registers(worker, dropout)
+    third = sm90_dkdv.worker_registers(dropout)
     for count in (worker, default, third):
         assert 24 <= count <= 256 and count % 8 == 0, (headdim, worker, default, third)
     # 12 warps (three warpgroups), or 16 with the dropout drawers, whose warps fill two warpgroups of `third`
     groups = 4 if dropout else 3
-    assert worker + default + (groups - 2) * third == groups * hopper_dkdv.launch_maxnreg(dropout)
-    assert groups * 128 * hopper_dkdv.launch_maxnreg(dropout) <= 65536  # the register file
+    assert worker + default + (groups - 2) * third == groups * sm90_dkdv.launch_maxnreg(dropout)
+    assert groups * 128 * sm90_dkdv.launch_maxnreg(dropout) <= 65536  # the register file
 
 
 def test_persistent_grid_rule():
@@ -501,7 +497,7 @@ def test_folded_scale_softmax_matches_reference(fold, seqlens, kwargs):
     # KernelConfigs.fold_scale: the max over the raw scores and exp2(qk * scale - max) must give the same output,
     # LSE (natural log, +inf for rows with no key) and gradients as the scaled-scores form
     q, k, v = random_qkv(2, *seqlens, 4, 2, 40, torch.float16)
-    with kernel_config.override(fold_scale=fold):
+    with kernel_options.override(fold_scale=fold):
         out, lse, _ = flashpatch.flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -509,3 +505,35 @@ def test_folded_scale_softmax_matches_reference(fold, seqlens, kwargs):
     empty = torch.isinf(lse64)
     assert torch.equal(torch.isinf(lse), empty) and (out.transpose(1, 2)[empty] == 0).all()
     torch.testing.assert_close(lse[~empty].double(), lse64[~empty].double(), rtol=1e-3, atol=1e-3)
+
+
+def test_options_override_nests_and_restores():
+    # options.override: KernelOptions fields set as given, KernelConfigs fields gathered into config_fields; a nested
+    # block adds to the outer one, and each block's end brings back the options before it
+    assert kernel_options.current() is kernel_options.DEFAULT
+    with kernel_options.override(persistent_fwd=False, atomic_dq=True) as outer:
+        assert kernel_options.current() is outer
+        assert outer.persistent_fwd is False and dict(outer.config_fields) == {"atomic_dq": True}
+        with kernel_options.override(persistent_fwd=True, fold_scale=False) as inner:
+            assert inner.persistent_fwd is True
+            assert dict(inner.config_fields) == {"atomic_dq": True, "fold_scale": False}
+        assert kernel_options.current() is outer
+    assert kernel_options.current() is kernel_options.DEFAULT
+
+
+def test_options_refuse_unknown_names_and_bad_values():
+    with pytest.raises(TypeError, match="'persistent'"), kernel_options.override(persistent=True):
+        pass
+    with pytest.raises(ValueError, match="got 100"), kernel_options.override(dkdv_consumer_registers=100):
+        pass
+    assert kernel_options.current() is kernel_options.DEFAULT
+
+
+def test_options_config_fields_reach_the_launch_settings():
+    q, k, v = random_qkv(1, 17, 17, 2, 1, 32, torch.float32, requires_grad=False)
+    measured = ops._launch_configs(q, k, False, 17, 17, -1, -1, 0.0, kernel_options.DEFAULT)
+    forced = kernel_options.updated(kernel_options.DEFAULT, atomic_dq=not measured.atomic_dq,
+                                    fwd=LaunchConfig(16, 16))
+    cfgs = ops._launch_configs(q, k, False, 17, 17, -1, -1, 0.0, forced)
+    assert cfgs.atomic_dq != measured.atomic_dq and cfgs.fwd == LaunchConfig(16, 16)
+    assert cfgs.bwd_dq == measured.bwd_dq

@@ -1,11 +1,11 @@
-"""scripts/profile_train_step.py's idle-gap report, on a hand-made Chrome trace (the GPU path needs a profile from
+"""benchmarks/profile_train_step.py's idle-gap report, on a hand-made Chrome trace (the GPU path needs a profile from
 a GPU; this checks how it reads one): which gaps count, which are host-bound, and which host op they go to."""
 
 import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import profile_train_step  # noqa: E402
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import flashpatch
+from flashpatch.kernels.options import DEFAULT
 from flashpatch.padding import cu_seqlens_from_lengths
 from flashpatch.reference import varlen_attention_reference
 from tests.helpers import check_against_reference
@@ -71,8 +72,10 @@ def test_varlen_grid_past_the_second_axis_limit_turns_one_dimensional():
     # (heads, blocks) grids allow 65535 blocks; the varlen grid counts tokens / block, so millions of tokens need
     # the 1-D order (checked on the grid alone: running it takes a GPU)
     cu = flashpatch.padding.cu_seqlens_from_lengths(torch.tensor([3_000_000, 5]))
-    small = flashpatch.ops._launch_grid(4, 128, False, cu, 3_000_005, 2, 3_000_000, heaviest_first=True)
-    large = flashpatch.ops._launch_grid(4, 32, False, cu, 3_000_005, 2, 3_000_000, heaviest_first=True)
+    small = flashpatch.ops._launch_grid(4, 128, False, cu, 3_000_005, 2, 3_000_000, heaviest_first=True,
+                                         opts=DEFAULT)
+    large = flashpatch.ops._launch_grid(4, 32, False, cu, 3_000_005, 2, 3_000_000, heaviest_first=True,
+                                         opts=DEFAULT)
     assert small[0] == (4, 3_000_005 // 128 + 2) and small[2] is False
     assert large[0] == (4 * (3_000_005 // 32 + 2),) and large[2] is True
 

@@ -1,0 +1,186 @@
+"""Where a training step's time goes, for one implementation: after the warm-up, the next steps run once timed
+(wall time without the profiler) and once under the torch profiler, which gives the kernel time summed by kind
+(attention, matmul, the rest), the host syncs per step, the top kernels, and the GPU's idle gaps between kernels
+by the host op that launched the kernel after each (host-bound, or waiting on something else). Written for the
+padded-real-lengths run, which moved +0.3% when its varlen kernels got 17-19% faster (NOTES.md e14 has the answer).
+
+    python benchmarks/profile_train_step.py --config configs/padded_real_lengths.yaml --implementations fpatch \
+        [--tree runs/trees/<name>] [--profile_steps 8]
+
+Every other option is recipes/train.py's (--config plus field overrides; the batches are the recipe's). --tree
+imports flashpatch from an older package (`git archive <commit> flashpatch | tar -x -C runs/trees/<name>`), so two
+versions can be profiled on one GPU in one call. On a machine without CUDA it profiles the host ops instead
+(flashpatch's kernels in the Triton interpreter).
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Kernel-name fragments by kind, first match wins (lower case). Attention: flashpatch's Triton and Gluon kernels,
+# SDPA's flash / cuDNN / efficient backends, Flex's generated kernels.
+KINDS = (
+    ("attention", ("attn_", "flash", "fmha", "cudnn", "flex_attention", "triton_tem_fused")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "addmm", "bmm", "::mm")),
+    ("copy / pad", ("copy", "cat", "index", "gather", "scatter", "pad", "fill")),
+    ("optimizer", ("adam", "foreach", "multi_tensor")),
+)
+
+# What waits for the GPU: CUDA runtime calls; without a GPU, the host ops that would (.item(), nonzero). AdamW's
+# .item() on its step counts, which live on the host, shows in the second list but never waits.
+SYNC_FRAGMENTS = {True: ("Synchronize", "cudaMemcpy"), False: ("_local_scalar_dense", "aten::nonzero")}
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")  # the Chrome trace's categories of work on the GPU
+GAP_US = 2.0  # back-to-back launches leave about 1-2 us between kernels
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    for kind, fragments in KINDS:
+        if any(fragment in lowered for fragment in fragments):
+            return kind
+    return "other"
+
+
+def main():
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--tree", default=str(ROOT), help="a directory holding the flashpatch package to use")
+    parser.add_argument("--profile_steps", type=int, default=3)
+    parser.add_argument("--top", type=int, default=15)
+    args, train_argv = parser.parse_known_args()
+    sys.path[:0] = [str(Path(args.tree).resolve()), str(ROOT / "recipes")]  # the tree's flashpatch first
+    import train  # without CUDA it sets TRITON_INTERPRET before flashpatch defines its kernels
+    import flashpatch
+    from accelerate import Accelerator
+    from torch.profiler import ProfilerActivity, profile
+    from train_config import parse_config
+
+    cfg = parse_config(train_argv)
+    if len(cfg.implementations) != 1:
+        raise SystemExit(f"profile one implementation at a time (--implementations), got {cfg.implementations}")
+    impl = cfg.implementations[0]
+    print(f"{impl}: flashpatch from {Path(flashpatch.__file__).parent}", flush=True)
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision or None)
+    device = accelerator.device
+    corpus = train.import_corpus()
+    tokenizer = train.make_tokenizer(cfg, corpus)
+    _, batches = train.recipe_batches(cfg, accelerator, corpus, tokenizer, cfg.warmup_steps + args.profile_steps)
+    model, optimizer, scheduler = train.build_training(impl, cfg, accelerator, tokenizer)
+
+    def step(batch):  # as train.train_one runs it, without the clock
+        train.train_step(model, optimizer, scheduler, accelerator, cfg, train.device_inputs(impl, cfg, batch, device))
+
+    for batch in batches[: cfg.warmup_steps]:
+        step(batch)
+    cuda = device.type == "cuda"
+    if cuda:  # wall time of the same steps without the profiler: kernel time below it is time the GPU sat idle
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for batch in batches[cfg.warmup_steps:]:
+            step(batch)
+        torch.cuda.synchronize(device)
+        wall_ms = (time.perf_counter() - start) * 1000.0 / args.profile_steps
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for batch in batches[cfg.warmup_steps:]:
+            step(batch)
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    per_kernel = defaultdict(float)  # ms per step
+    steps = len(batches) - cfg.warmup_steps
+    for event in prof.events():
+        on_host = event.device_type != torch.autograd.DeviceType.CUDA
+        if is_kernel(event) if cuda else on_host:  # kernels on a GPU; host ops (self time) without one
+            time_us = event.device_time if cuda else event.self_cpu_time_total
+            per_kernel[event.name] += time_us / steps / 1000.0
+    by_kind = defaultdict(float)
+    for name, ms in per_kernel.items():
+        by_kind[kind_of(name)] += ms
+    total = sum(by_kind.values())
+    what = "GPU kernel time" if cuda else "host self time"
+    wall = f" (wall {wall_ms:.1f} ms per step unprofiled)" if cuda else ""
+    print(f"{impl}, {cfg.name}, {steps} steps: {what} {total:.1f} ms per step{wall}", flush=True)
+    for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:12s} {ms:9.2f} ms  {100 * ms / total:5.1f}%")
+    # Host syncs: each drains the GPU's queue, and the GPU then idles while the host launches the next kernels.
+    syncs = defaultdict(int)
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA and any(
+            fragment in event.name for fragment in SYNC_FRAGMENTS[cuda]
+        ):
+            syncs[event.name] += 1
+    print("host syncs per step: " + (", ".join(f"{n} {c / steps:g}" for n, c in sorted(syncs.items())) or "none"))
+    print(f"top {args.top} {'kernels' if cuda else 'ops'}:")
+    for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]:
+        print(f"  {ms:9.3f} ms  [{kind_of(name)}] {name[:110]}")
+    if cuda:
+        report_idle(prof, steps, args.top)
+
+
+def is_kernel(event) -> bool:
+    """A GPU kernel or copy, not a record_function span the profiler also draws on the GPU (Optimizer.step#...)."""
+    return event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+
+
+def report_idle(prof, steps: int, top: int) -> None:
+    """Where the GPU sat idle, from the profile's Chrome trace: each gap between kernels longer than GAP_US, by the
+    host op that launched the kernel after it. A gap whose kernel the host launched after the GPU had gone idle is
+    host-bound: the host was busy in that op (its outermost and innermost names are shown); the others waited on
+    something else (a copy from pageable memory, an event)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    device = sorted((e for e in events if e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ops_by_thread = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            ops_by_thread[e["tid"]].append(e)
+    for ops in ops_by_thread.values():
+        ops.sort(key=lambda e: (e["ts"], -e["dur"]))
+
+    def host_op(launch) -> str:
+        around = [e for e in ops_by_thread.get(launch["tid"], ())
+                  if e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]]  # outermost first
+        if not around:
+            return "?"
+        names = list(dict.fromkeys([around[0]["name"], around[-1]["name"]]))
+        return " > ".join(names)
+
+    idle = defaultdict(float)  # (host-bound?, op) -> us
+    gaps = []
+    busy_until = device[0]["ts"] + device[0]["dur"] if device else 0.0
+    for kernel in device[1:]:
+        gap = kernel["ts"] - busy_until
+        if gap > GAP_US:
+            launch = launches.get(kernel.get("args", {}).get("correlation"))
+            bound = launch is not None and launch["ts"] > busy_until
+            op = host_op(launch) if launch else "?"
+            idle[(bound, op)] += gap
+            gaps.append((gap, bound, kernel["name"], op))
+        busy_until = max(busy_until, kernel["ts"] + kernel["dur"])
+    total = sum(idle.values()) / steps / 1000.0
+    bound_ms = sum(us for (bound, _), us in idle.items() if bound) / steps / 1000.0
+    span = (busy_until - device[0]["ts"]) / steps / 1000.0 if device else 0.0
+    print(f"GPU span (first kernel's start to last kernel's end) {span:.1f} ms per step under the profiler")
+    print(f"GPU idle in gaps over {GAP_US:g} us: {total:.1f} ms per step, {bound_ms:.1f} of it host-bound "
+          "(the kernel after the gap launched once the GPU had gone idle); by the op launching that kernel:")
+    for (bound, op), us in sorted(idle.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {us / steps / 1000.0:8.2f} ms  {'host ' if bound else 'wait '} {op[:120]}")
+    print("largest gaps:")
+    for gap, bound, name, op in sorted(gaps, key=lambda g: -g[0])[:top]:
+        print(f"  {gap / 1000.0:8.2f} ms  {'host ' if bound else 'wait '} before {name[:40]}  ({op[:80]})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,364 @@
+"""What the Gluon kernels of fwd.py, dkdv.py and dq.py share: which calls they may take (`sm90_dense_ok`), the
+2-D TMA views of (B, S, H, D) tensors they load from, and the Gluon functions of more than one kernel (a program's
+query block, the K/V ring and its producer loop, the persistent grid's tiles, the Philox draw of the keep bits, the
+drawers' rings). Imported only where Gluon is (sm90.AVAILABLE)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from flashpatch.kernels.sm90 import capability, enabled
+from flashpatch.kernels.triton.common import dropout_threshold, tile_head_and_block
+
+# TMA tile load into shared memory, signalling an mbarrier: renamed after Triton 3.6
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+try:  # private names: a release without them loses the fused dQ only, not the Gluon kernels
+    from triton._C.libtriton import ir as _ir
+    from triton.experimental.gluon.language._core import builtin as _builtin
+
+    @_builtin
+    def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        """TMA reduce-add of a shared-memory tile into global memory (cp.reduce.async.bulk.tensor .add): issued
+        like a TMA store, and waited for like one (tma.store_wait). Triton 3.6's Gluon builds the op but names
+        no Python function for it."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+    TMA_REDUCE = hasattr(_ir, "DESCRIPTOR_REDUCE_KIND")  # whether the fused dQ may use it (dkdv.fuses_dq)
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    tma_reduce_add = None
+    TMA_REDUCE = False
+
+
+def rows_view(t: torch.Tensor):
+    """A 2-D view of a (B, S, H, D) tensor for a TMA descriptor in which the S positions of one (batch, head) are
+    consecutive rows, or None if its strides allow none.
+
+    Returns (shape, strides, (rows per batch, rows per head), columns per head): the tile of batch b, head h,
+    positions m.. starts at row b * rows_b + h * rows_h + m, column h * cols_h."""
+    B, S, H, D = t.shape
+    sb, ss, sh, sd = t.stride()
+    if sd != 1:
+        return None
+    if (sh == D or H == 1) and (sb == S * ss or B == 1):  # (B, S, H, D) order: a row holds every head
+        return [B * S, H * D], [ss, 1], (S, 0), D
+    if (ss == D or S == 1) and (sh == S * D or H == 1) and (sb == H * S * D or B == 1):  # (B, H, S, D) order
+        return [B * H * S, D], [D, 1], (H * S, S), 0
+    return None
+
+
+def sm90_dense_ok(*tensors: torch.Tensor, varlen: bool, window_left: int, window_right: int, softcap: float,
+                  dropout_p: float, with_dropout: bool = False) -> bool:
+    """The scope the Gluon kernels share: sm_90 with Gluon enabled (`enabled`), dense (B, S, H, D) tensors that
+    `rows_view` maps, bf16 or fp16, head dim 64 or 128, causal or unmasked, no softcap, no dropout unless the
+    kernel draws it (`with_dropout`), 32-bit element offsets. Each kernel adds its tile divisibility."""
+    q = tensors[0]
+    if not (enabled() and q.is_cuda and capability(q.device) == (9, 0)):
+        return False
+    if varlen or softcap > 0 or (dropout_p > 0 and not with_dropout) or window_left >= 0 or window_right not in (-1, 0):
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128):
+        return False
+    return all(rows_view(t) is not None and t.data_ptr() % 16 == 0 and t.numel() < 2**31 for t in tensors)
+
+
+def descriptor(t: torch.Tensor, block_rows: int):
+    """(TensorDescriptor of (block_rows, D) tiles, rows per (batch, head), columns per head) for `rows_view`'s view."""
+    shape, strides, rows, cols = rows_view(t)
+    layout = _shared_layout(block_rows, t.shape[-1], t.dtype == torch.float16)
+    return TensorDescriptor(t, shape, strides, [block_rows, t.shape[-1]], layout), rows, cols
+
+
+def fp32_descriptor(t: torch.Tensor, block_rows: int):
+    """`descriptor` for an fp32 (B, S, H, D) tensor (a dQ accumulator), in (block_rows, 32) tiles: 128 bytes wide,
+    the widest box a 128-byte swizzle allows, as a TMA reduce is not split the way copies are."""
+    shape, strides, rows, cols = rows_view(t)
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, 32], gl.float32)
+    return TensorDescriptor(t, shape, strides, [block_rows, 32], layout), rows, cols
+
+
+def vector_descriptor(t: torch.Tensor, block: int):
+    """TensorDescriptor of `block`-element runs of an fp32 tensor's storage, seen as one vector from its first element
+    (last dimension contiguous): the run of (b, h, m..) in a (B, H, S) tensor starts at b * stride(0) + h * stride(1)
+    + m. For the LSE and delta rows of a step."""
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    layout = _vector_layout(block)
+    return TensorDescriptor(t.as_strided((extent,), (1,)), [extent], [1], [block], layout)
+
+
+@functools.lru_cache(maxsize=None)
+def _vector_layout(block: int):
+    return gl.NVMMASharedLayout.get_default_for([block], gl.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block_rows: int, headdim: int, fp16: bool):
+    """The tile's shared-memory layout, built once per tile shape (descriptors are built at every launch)."""
+    return gl.NVMMASharedLayout.get_default_for([block_rows, headdim], gl.float16 if fp16 else gl.bfloat16)
+
+
+def kept_dims(parent, dims):
+    """Gluon layout `parent` (a constexpr) sliced down to its dimensions `dims`, the others removed from the last: the
+    layout whose tensor `x[...]`, with None at those other positions, expands back into `parent` (the keep words of
+    fwd.py and dkdv.py, one dimension of a tile for its aranges)."""
+    layout = parent.value
+    for dim in reversed(range(len(layout.size_per_thread))):
+        if dim not in dims:
+            layout = gl.SliceLayout(dim, layout)
+    return gl.constexpr(layout)
+
+
+def carry_shift_in_ptx(decisions, addend: str) -> str:
+    """Inline PTX that shifts 16-bit dropout decisions into 32-bit words, one per decision in the order given: a
+    decision half >= t is the carry out of half * 2^16 + (2^32 - t * 2^16) (`addend` holds the latter), and
+    `addc` doubles the word and adds that carry, so the last decision lands at bit 0. `decisions`: (source word
+    operand, "lo" or "hi" half, word operand out, word operand in) each; the drawers of fwd.py and
+    dkdv.py build their per-call blocks from it."""
+    lines = ["{", ".reg .b32 t;"]
+    for source, half, word_out, word_in in decisions:
+        if half == "lo":
+            lines += [f"shl.b32 t, {source}, 16;", f"add.cc.u32 t, t, {addend};"]
+        else:
+            lines.append(f"add.cc.u32 t, {source}, {addend};")
+        lines.append(f"addc.u32 {word_out}, {word_in}, {word_in};")
+    return "\n".join(lines + ["}"])
+
+
+@gluon.jit
+def query_block_program(seqlen_q, seqlen_k, nheads, group_size, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, HEAD_GROUP: gl.constexpr):
+    """This program's query block (the forward's and dQ's): (batch, head, K/V head, first query row, Sk - Sq,
+    key blocks below the diagonal, key blocks to visit)."""
+    num_m = gl.cdiv(seqlen_q, BLOCK_M)
+    return query_block_of_tile(gl.program_id(0), gl.num_programs(0) // num_m, seqlen_q, seqlen_k, nheads,
+                               group_size, CAUSAL, BLOCK_M, BLOCK_N, HEAD_GROUP)
+
+
+@gluon.jit
+def query_block_of_tile(tile, num_bh, seqlen_q, seqlen_k, nheads, group_size, CAUSAL: gl.constexpr,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_GROUP: gl.constexpr):
+    """`query_block_program` for tile `tile` of num_bh (batch x heads) x the query blocks."""
+    num_m = gl.cdiv(seqlen_q, BLOCK_M)
+    off_bh, pid_m = tile_head_and_block(tile, num_bh, num_m, HEAD_GROUP)  # Triton's 1-D grid order (triton/common.py)
+    if CAUSAL:
+        pid_m = num_m - 1 - pid_m  # the heaviest query blocks (the last ones) first
+    off_b = off_bh // nheads
+    off_h = off_bh % nheads
+    off_hk = off_h // group_size
+    m0 = pid_m * BLOCK_M
+    shift = seqlen_k - seqlen_q
+    n_steps = gl.cdiv(seqlen_k, BLOCK_N)
+    n_full = n_steps
+    if CAUSAL:
+        n_end = gl.minimum(gl.maximum(m0 + BLOCK_M + shift, 0), seqlen_k)
+        n_steps = gl.cdiv(n_end, BLOCK_N)
+        n_full = gl.minimum(gl.maximum(m0 + shift + 1, 0) // BLOCK_N, n_steps)  # blocks below the diagonal
+    return off_b, off_h, off_hk, m0, shift, n_full, n_steps
+
+
+@gluon.jit
+def head_slope_log2(ALIBI_SLOPES, index, ALIBI: gl.constexpr):
+    """ALiBi's slope of one (sequence, head), ALIBI_SLOPES[index], times log2(e) (the scores are in log2
+    units); 0 without ALiBi."""
+    if ALIBI:
+        return gl.load(ALIBI_SLOPES + index) * 1.4426950408889634
+    else:
+        return 0.0
+
+
+@gluon.jit
+def dropout_seed_offset(SEED_OFFSET, DROPOUT: gl.constexpr):
+    """The call's Philox (seed, offset) (ops.draw_seed_offset); zeros without dropout."""
+    seed = 0
+    offset = 0
+    if DROPOUT:
+        seed = gl.load(SEED_OFFSET)
+        offset = gl.load(SEED_OFFSET + 1)
+    return seed, offset
+
+
+@gluon.jit
+def carry_addend(dropout_p):
+    """(2^32 - t * 2^16 as uint32, whether t = 0) for threshold t = triton.common.dropout_threshold(dropout_p):
+    the addend whose carry out of half * 2^16 + addend is the decision half >= t (`carry_shift_in_ptx`), for the
+    drawers of fwd.py and dkdv.py. t = 2^16 (every weight dropped) wraps it to 0 as it should; t = 0 (p under
+    2^-17) wraps it to 0 too, so there the caller keeps every weight by the second value."""
+    threshold = dropout_threshold(dropout_p)
+    return 0 - (threshold << 16), threshold == 0
+
+
+@gluon.jit
+def allocate_keep_ring(SLOTS: gl.constexpr, SLOT_SHAPE: gl.constexpr, LAYOUT: gl.constexpr):
+    """The drawers' rings of keep words (fwd.py's and dkdv.py's): SLOTS int32 slots of SLOT_SHAPE for each of the
+    two consumers (consumer w's are w * SLOTS ..), a `keep_full` mbarrier per slot, which its drawer arrives at,
+    and a `keep_empty` one, which its consumer arrives at."""
+    bufs = gl.allocate_shared_memory(gl.int32, [2 * SLOTS] + SLOT_SHAPE, LAYOUT)
+    full = gl.allocate_shared_memory(gl.int64, [2 * SLOTS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2 * SLOTS, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(2 * SLOTS):
+        mbarrier.init(full.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    return bufs, full, empty
+
+
+# The PTX of one 32 x 32 -> 64-bit product by each of Philox's round multipliers (Random123's, as tl.philox) as a
+# (high word, low word) pair
+_MUL_WIDE_A_ASM = gl.constexpr("{ .reg .b64 w; mul.wide.u32 w, $2, 0xD2511F53; mov.b64 {$1, $0}, w; }")
+
+
+_MUL_WIDE_B_ASM = gl.constexpr("{ .reg .b64 w; mul.wide.u32 w, $2, 0xCD9E8D57; mov.b64 {$1, $0}, w; }")
+
+
+@gluon.jit
+def _mul_wide(x, ASM: gl.constexpr):
+    """(high word, low word) of x times ASM's multiplier."""
+    return gl.inline_asm_elementwise(ASM, "=r,=r,r", [x], dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def philox_wide(seed, counter):
+    """triton.common.philox4x32_10's four words (tl.philox's rounds, the same arithmetic) with each round's two
+    products written as one mul.wide each, for the Gluon kernels that draw keep bits (the drawers of fwd.py and
+    dkdv.py, the dQ pass of dq.py): from tl.philox's mul.hi and mul.lo ptxas mostly issues two IMADs a product, here
+    one IMAD.WIDE, a third fewer instructions a call. The first round is written out with c2 = c3 = 0."""
+    c0 = (counter & 0xFFFFFFFF).to(gl.uint32)
+    c1 = (counter >> 32).to(gl.uint32)
+    seed = seed.to(gl.uint64)
+    k0 = (seed & 0xFFFFFFFF).to(gl.uint32)
+    k1 = (seed >> 32).to(gl.uint32)
+    hi_a, lo_a = _mul_wide(c0, _MUL_WIDE_A_ASM)
+    c0 = c1 ^ k0  # umulhi(B, 0) ^ c1 ^ k0
+    c1 = c0 & 0  # B * 0
+    c2 = hi_a ^ k1  # umulhi(A, c0) ^ 0 ^ k1
+    c3 = lo_a
+    for _ in gl.static_range(9):
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+        hi_b, lo_b = _mul_wide(c2, _MUL_WIDE_B_ASM)
+        hi_a, lo_a = _mul_wide(c0, _MUL_WIDE_A_ASM)
+        c0 = hi_b ^ c1 ^ k0
+        c2 = hi_a ^ c3 ^ k1
+        c1 = lo_b
+        c3 = lo_a
+    return c0, c1, c2, c3
+
+
+@gluon.jit
+def alibi_bias(alibi_log2, rows, cols):
+    """ALiBi's -slope * |i + Sk - Sq - j| in log2 units, as triton.common.alibi_bias: `rows` are query positions
+    already shifted by Sk - Sq (bottom-right aligned, so a causal diagonal has no bias), `cols` key positions,
+    as a column and a row that broadcast to the tile (a row and a column in dK/dV's keys x queries tile). They
+    are subtracted as float32 (exact below 2^24): float subtraction is not reassociated, so the compiler cannot
+    hoist a loop-invariant integer (rows - cols) tile out of the loop and hold it in registers, as it did in the
+    dK/dV kernel (296 B of spills against 72)."""
+    return -alibi_log2 * gl.abs(rows.to(gl.float32) - cols.to(gl.float32))
+
+
+@gluon.jit
+def allocate_kv_ring(k_desc, v_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The K/V ring (the forward's and dQ's): STAGES (BLOCK_N, D) tiles of each, a `ready` mbarrier per tile and an
+    `empty` one per stage, which each of the CONSUMERS consumer warpgroups arrives at."""
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    ready_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready_k.index(s), count=1)
+        mbarrier.init(ready_v.index(s), count=1)
+        mbarrier.init(empty.index(s), count=CONSUMERS)  # one arrival per consumer warpgroup
+    return k_bufs, v_bufs, ready_k, ready_v, empty
+
+
+@gluon.jit
+def stream_kv(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, k_row, k_col, v_row, v_col, n_steps,
+              ring, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The producer's loop (the forward's and dQ's): key block i into stage (ring + i) % STAGES once both
+    consumers have released it; K and V signal separately, so Q Kᵀ can start before V has landed. ring: the
+    key blocks this program streamed before (0 but in a persistent program)."""
+    for i in range(n_steps):
+        s = (ring + i) % STAGES
+        # a fresh mbarrier counts as having completed the phase before 0, so the first lap does not wait
+        mbarrier.wait(empty.index(s), (((ring + i) // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready_k.index(s), k_desc.block_type.nbytes)
+        tma_load(k_desc, [k_row + i * BLOCK_N, k_col], ready_k.index(s), k_bufs.index(s))
+        mbarrier.expect(ready_v.index(s), v_desc.block_type.nbytes)
+        tma_load(v_desc, [v_row + i * BLOCK_N, v_col], ready_v.index(s), v_bufs.index(s))
+
+
+@gluon.jit
+def persistent_rounds(num_tiles, SCHEDULE, schedule_rounds):
+    """How many tiles each program of a persistent grid takes (`persistent_tile`), some past num_tiles."""
+    if SCHEDULE is None:
+        return gl.cdiv(num_tiles, gl.num_programs(0))
+    else:
+        return schedule_rounds
+
+
+@gluon.jit
+def persistent_tile(rnd, SCHEDULE, schedule_rounds):
+    """This program's tile in round `rnd` of a persistent grid (num_tiles or more: none). With a SCHEDULE
+    table (schedule.causal_schedule: the causal forward), the table's; else every other round runs in reverse
+    (program p takes tile p, then 2P - 1 - p, ...), so over a causal grid ordered heaviest first a program that
+    took a heavy block takes a light one next (close to an even split: docs/tuning.md, "persistent grids")."""
+    pid = gl.program_id(0)
+    if SCHEDULE is None:
+        num_programs = gl.num_programs(0)
+        return rnd * num_programs + pid + (rnd % 2) * (num_programs - 1 - 2 * pid)
+    else:
+        return gl.load(SCHEDULE + pid * schedule_rounds + rnd)
+
+
+@gluon.jit
+def allocate_query_barriers():
+    """A persistent program's two query buffers' mbarriers (the forward's and dQ's): `ready` per buffer, which the
+    producer's TMA completes, and `empty`, which both consumer warpgroups arrive at."""
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(2):
+        mbarrier.init(ready.index(b), count=1)
+        mbarrier.init(empty.index(b), count=2)  # one arrival per consumer warpgroup
+    return ready, empty
+
+
+@gluon.jit
+def producer_persistent(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, ready_k, ready_v, empty,
+                        q_ready, q_empty, q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,
+                        num_tiles, nheads, group_size, seqlen_q, seqlen_k, SCHEDULE, schedule_rounds,
+                        CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr):
+    """A persistent program's producer (the forward's, which passes None for dO, and dQ's): per
+    tile, Q (and dO) into one of two buffers once both consumers released it two tiles ago, then the tile's
+    K/V blocks into the ring, which runs on across tiles (so the next tile's first blocks load under this
+    one's last steps and epilogue)."""
+    num_bh = num_tiles // gl.cdiv(seqlen_q, BLOCK_M)
+    ring = 0  # key blocks streamed so far
+    done = 0  # tiles so far
+    for rnd in range(persistent_rounds(num_tiles, SCHEDULE, schedule_rounds)):
+        tile = persistent_tile(rnd, SCHEDULE, schedule_rounds)
+        if tile < num_tiles:
+            off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_of_tile(
+                tile, num_bh, seqlen_q, seqlen_k, nheads, group_size, CAUSAL, BLOCK_M, BLOCK_N, HEAD_GROUP)
+            qb = done % 2
+            bar = q_ready.index(qb)
+            mbarrier.wait(q_empty.index(qb), ((done // 2) & 1) ^ 1)
+            if do_desc is None:
+                mbarrier.expect(bar, q_desc.block_type.nbytes)
+            else:
+                mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                tma_load(do_desc, [off_b * do_rows[0] + off_h * do_rows[1] + m0, off_h * do_cols], bar,
+                         do_bufs.index(qb))
+            tma_load(q_desc, [off_b * q_rows[0] + off_h * q_rows[1] + m0, off_h * q_cols], bar, q_bufs.index(qb))
+            stream_kv(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty,
+                      off_b * k_rows[0] + off_hk * k_rows[1], off_hk * k_cols,
+                      off_b * v_rows[0] + off_hk * v_rows[1], off_hk * v_cols, n_steps, ring, BLOCK_N, STAGES)
+            ring += n_steps
+            done += 1
+

@@ -1,0 +1,704 @@
+"""dK/dV for Hopper (sm_90) written in Gluon, with warp specialization: one producer warp and two consumer
+warpgroups per program, synchronised by mbarriers instead of CTA-wide barriers.
+
+Why: the Triton dK/dV kernel's pipelined loop has two CTA barriers per step (after the copy wait, before a stage is
+refilled), which keep its two warpgroups in lockstep, so neither fills the other's softmax gaps with matmuls
+(nearly half of its issue gaps are barrier waits). Triton 3.6 does not warp-specialize that loop. Here:
+
+  producer (1 warp):     K, V of the program's 128 keys once; then, per step, TMA loads of the (64, D) tiles of Q
+                         and dO and of the step's 64 LSE and delta values into a ring of STAGES buffers, each
+                         signalled by its `ready` mbarrier.
+  consumer w (4 warps):  keys [n0 + 64 w, n0 + 64 w + 64): per step, Sᵀ = K Qᵀ and dPᵀ = V dOᵀ issued together,
+                         P from Sᵀ while dPᵀ runs, dV += Pᵀ dO issued, dS from dPᵀ while dV runs, dK += dSᵀ Q;
+                         dV and dK are waited for at the end of the step, and the stage is released (`empty`,
+                         one arrival per consumer) once the next step's Sᵀ is done.
+
+With an fp32 dQ buffer (`fuses_dq`; ops.py passes one where config's `fused_dq` holds) the kernel adds dQ itself, so
+the backward runs five matmuls per tile instead of the separate dQ pass's seven (FA3's form): after
+issuing dK's matmul, each consumer stores its dS into the step's shared (BM, 128) tile, waits for the other's
+(`ds_full`, the one place the two consumers meet), and multiplies the whole tile by its half of K's columns into a
+(BM, D / 2) fp32 partial, which it leaves in the step's dQ slot; and a fourth partition does the reduce:
+
+  reducer (1 warp):      per step, once both halves are in the slot, TMA reduce-adds of the (BM, D) partial into
+                         the fp32 dQ; the slot is handed back (`dq_empty`) once those reduces have read it.
+
+LSE and delta come through the ring rather than by loads of the consumers: loaded at the top of a step, they were
+needed before the step's first matmul could be issued, and every step waited for them (a tenth of Nsight Compute's
+stall samples sat at the multiply that scales the LSE). Where in the step the consumers
+read them from shared memory depends on the head dim (`lse_first`: at 128, apart, to keep the registers from
+spilling).
+
+Without the fused dQ the two consumers never wait for each other, only for the producer, so one's softmax runs under
+the other's matmuls (the Triton kernel's CTA barriers forbid that); with it they meet once a step, after both
+softmaxes. dK and dV are waited for at the end of each step: leaving them in flight into the next made ptxas
+serialize the matmuls (warning C7515) and measured slower (docs/tuning.md, "Gluon dK/dV").
+
+With dropout (head dim 128) the keep bits come from warps of their own, so that the Philox arithmetic runs beside
+the consumers' matmuls and softmax rather than inside them:
+
+  drawer w (2 warps):    per step, the Philox calls of consumer w's (64 keys, 64 queries) tile, at the counters of
+                         triton.common.dropout_keep (the forward's bits), packed into one 32-bit word per consumer
+                         thread and written into a ring of STAGES slots (one with the fused dQ, whose shared memory is
+                         otherwise full; `keep_full` / `keep_empty`); the consumer turns its word into the keep tile
+                         of its registers (`_keep_tile`), and its causal mask comes from lane and register bits
+                         (`_visible_tile`). The kernel then runs 16 warps. With the fused dQ, the dS it multiplies
+                         already carries the keep bits, so a backward draws them once.
+
+The steps run over the query heads of the program's GQA group and, within a head, over the query blocks that see
+the program's keys. Scope, checked by `supported`: dense rows whose lengths divide the tiles, bf16/fp16, head dim
+64 or 128, causal (bottom-right aligned) or no mask, ALiBi slopes or none (each step takes its query head's slope),
+dropout at head dim 128, no window or softcap. Everything else, and every machine that is not sm_90 with Gluon,
+keeps the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+
+from flashpatch.kernels.config import head_group
+from flashpatch.kernels.options import DEFAULT, KernelOptions
+from flashpatch.kernels.sm90.common import (
+    TMA_REDUCE, alibi_bias, allocate_keep_ring, carry_addend, carry_shift_in_ptx, descriptor, dropout_seed_offset,
+    fp32_descriptor, head_slope_log2, kept_dims, philox_wide, sm90_dense_ok, tma_load, tma_reduce_add,
+    vector_descriptor)
+from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_rows, head_and_block
+
+BLOCK_M = {64: 64, 128: 64}  # queries per step, by head dim
+HALF_N = 64  # keys per consumer warpgroup
+BLOCK_N = 2 * HALF_N  # keys per program
+STAGES = 2  # Q/dO ring depth (3 within noise)
+MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
+PRODUCER_REGISTERS = 24  # the producer warp's setmaxnreg count (its warpgroup's; the least setmaxnreg takes)
+# With dropout two drawer partitions of two warps each (`_keep_drawer`) join the producer warp: 13 warps, launched
+# as 16 (four warpgroups) of MAXNREG_DROPOUT registers; the producer's and the drawers' warpgroups take
+# DRAWER_REGISTERS each, the consumers the rest.
+MAXNREG_DROPOUT = 128
+DRAWER_REGISTERS = 24
+
+
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _next_step(g, m0, m_lo, m_end, BLOCK_M: gl.constexpr):
+    """The (head in the GQA group, first query row) after step (g, m0): the next query block of the head, or
+    the next head's first (m_lo). Carried through the loop instead of derived from the step count, whose
+    integer division each step cost a few percent of the samples."""
+    m0 += BLOCK_M
+    wrap = m0 >= m_end
+    return gl.where(wrap, g + 1, g), gl.where(wrap, m_lo, m0)
+
+
+@gluon.jit
+def _causal_mask(p_t, offs_n, offs_m, last_key_of_first_query):
+    """Pᵀ with the scores of keys after each query's last visible one zeroed (bottom-right aligned: key n is
+    visible from query m0 + j when n <= m0 + j + Sk - Sq)."""
+    return gl.where(offs_n[:, None] <= last_key_of_first_query + offs_m[None, :], p_t, 0.0)
+
+
+# Dropout. A consumer's step tile is (HALF_N, BLOCK_M) = (64 keys, 64 queries), and in the wgmma accumulator
+# layout a thread holds 32 of its scores: key bit 3 and query bits 0, 3, 4, 5 vary over its registers, the other
+# bits are its lane and warp. Its keep decisions travel from the consumer's drawer partition (`_keep_drawer`) as
+# one 32-bit word per consumer thread; decision (key bit 3, query bit 0, query >> 3) is that word's bit
+#     4 * call + output word = 4 * (query bit 0 + 2 * (query >> 4)) + 2 * query bit 3 + key bit 3,
+# the order in which the drawer shifts them in (`_shift_in_call`).
+# The word tile is (key >> 4, key & 7, (query >> 1) & 3), in the order of the consumer's threads.
+# KEEP_TILE6 is the score tile as (key >> 4, key bit 3, key & 7, query >> 3, (query >> 1) & 3, query bit 0): the
+# accumulator layout with the register dimensions (1, 3, 5) apart, so that a thread's word broadcast over them
+# gives each register its bit at a constant position.
+KEEP_TILE6 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2, 1, 8, 1, 2], threads_per_warp=[1, 1, 8, 1, 4, 1],
+                                           warps_per_cta=[4, 1, 1, 1, 1, 1], order=[5, 1, 3, 4, 2, 0]))
+
+KEEP_WORDS = kept_dims(KEEP_TILE6, (0, 2, 4))  # (4, 8, 4): one word a thread
+# each dimension of KEEP_TILE6 alone, for its aranges
+KEEP_KEY_HI, KEEP_KEY3, KEEP_KEY_LO, KEEP_QUERY_HI, KEEP_QUERY_MID, KEEP_QUERY0 = (
+    kept_dims(KEEP_TILE6, (dim, )) for dim in range(6))
+# the drawer's tile: (key >> 4, (key >> 1) & 3, (query >> 1) & 3), the pairs of consumer threads that differ in
+# key bit 0 only, one per lane of its two warps
+KEEP_DRAW = gl.constexpr(gl.BlockedLayout([1, 1, 1], [2, 4, 4], [2, 1, 1], [2, 1, 0]))
+KEEP_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))  # a slot's (4, 8, 4) words, row-major
+
+
+@gluon.jit
+def _register_dims():
+    """KEEP_TILE6's register dimensions as (1, 2, 1, 1, 1, 1), (1, 1, 1, 8, 1, 1), (1, 1, 1, 1, 1, 2) aranges: key
+    bit 3, query >> 3, query bit 0, each value known at compile time in every register."""
+    key3 = gl.arange(0, 2, layout=KEEP_KEY3)[None, :, None, None, None, None]
+    query_hi = gl.arange(0, 8, layout=KEEP_QUERY_HI)[None, None, None, :, None, None]
+    query0 = gl.arange(0, 2, layout=KEEP_QUERY0)[None, None, None, None, None, :]
+    return key3, query_hi, query0
+
+
+@gluon.jit
+def _keep_tile(word, like):
+    """The step's (HALF_N, BLOCK_M) keep tile in the layout of `like` (the consumer's Sᵀ) from the consumer
+    thread's word (KEEP_WORDS): each register takes its own bit, at a position known at compile time."""
+    key3, query_hi, query0 = _register_dims()
+    bit = key3 + 2 * (query_hi & 1) + 4 * query0 + 8 * (query_hi >> 1)
+    bits = (word[:, None, :, None, :, None] >> bit) & 1
+    bits = gl.reshape(bits, [like.shape[0], like.shape[1]])
+    return gl.convert_layout(bits, like.type.layout, assert_trivial=True) != 0
+
+
+@gluon.jit
+def _visible_tile(like, limit):
+    """The causal mask of the step's (HALF_N, BLOCK_M) tile in the layout of `like`: key j visible from query i
+    when j - i <= limit (the step's m0 + shift - key0). Written in KEEP_TILE6's dimensions, j - i is one value
+    per thread (its lane's and warp's bits) plus a constant per register, so the mask holds no index tile in
+    registers (with dropout, `_causal_mask`'s spilled)."""
+    key_hi = gl.arange(0, 4, layout=KEEP_KEY_HI)[:, None, None, None, None, None]
+    key_lo = gl.arange(0, 8, layout=KEEP_KEY_LO)[None, None, :, None, None, None]
+    query_mid = gl.arange(0, 4, layout=KEEP_QUERY_MID)[None, None, None, None, :, None]
+    key3, query_hi, query0 = _register_dims()
+    lane_part = key_hi * 16 + key_lo - 2 * query_mid - limit  # (4, 1, 8, 1, 4, 1): one value a thread
+    visible = (lane_part + (8 * key3 - 8 * query_hi - query0)) <= 0
+    visible = gl.reshape(visible, [like.shape[0], like.shape[1]])
+    return gl.convert_layout(visible, like.type.layout, assert_trivial=True)
+
+
+# One Philox call's eight decisions shifted into the two threads' words (low halves: key bit 0 = 0, high halves: 1),
+# word r3 first, so that after the step's eight calls call c's word k sits at bit 4c + k. A decision h >= t is the
+# carry out of h * 2^16 + (2^32 - t * 2^16), which `addc` shifts in: two or three instructions a decision, against
+# five for an extract, compare, select, shift and OR. $0, $1: the words out; $2..$5: r0..r3;
+# $6: 2^32 - t * 2^16; $7, $8: the words in.
+_SHIFT_IN_ASM = gl.constexpr(carry_shift_in_ptx(
+    [(r, half, out, word_in if r == "$5" else out)
+     for r in ("$5", "$4", "$3", "$2") for half, out, word_in in (("lo", "$0", "$7"), ("hi", "$1", "$8"))], "$6"))
+
+
+@gluon.jit
+def _shift_in_call(lo, hi, r0, r1, r2, r3, carry_addend):
+    """`_SHIFT_IN_ASM`: one call's decisions shifted into the words lo and hi."""
+    return gl.inline_asm_elementwise(_SHIFT_IN_ASM, "=&r,=&r,r,r,r,r,r,r,r",
+                                     [r0, r1, r2, r3, carry_addend, lo, hi], dtype=(gl.uint32, gl.uint32),
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _keep_drawer(args, WG: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr):
+    """Consumer WG's keep words, step by step, into its ring of slots (`keep_full` / `keep_empty`),
+    drawn by triton.common.dropout_keep's counters so that the bits are the forward's: a Philox call decides the eight
+    pairs that differ in query bit 3 and key bits 0 and 3, i.e. four decisions for each of two consumer threads
+    (key bit 0 is a lane bit of the transposed tile), so each lane of the drawer's two warps runs the eight
+    calls of one such thread pair (query bits 0, 4, 5) and writes the pair's two words. Warps of its own, so that
+    the integer work runs beside the consumers' matmuls and softmax instead of inside them."""
+    (keep_bufs, keep_full, keep_empty, SEED_OFFSET, dropout_p, off_b, nheads, off_h0, seqlen_q, seqlen_k, n0,
+     m_lo, m_end, total) = args
+    SLOTS: gl.constexpr = keep_bufs.shape[0] // 2  # each consumer's
+    key0 = n0 + WG * HALF_N
+    seed, offset = dropout_seed_offset(SEED_OFFSET, True)
+    addend, keep_all = carry_addend(dropout_p)
+    key_hi = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, KEEP_DRAW)))[:, None, None]
+    key_mid = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, KEEP_DRAW)))[None, :, None]
+    query_mid = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, KEEP_DRAW)))[None, None, :]
+    col = key0 // 4 + key_hi * 4 + key_mid  # counter column of the pair's keys (bits 0 and 3 dropped)
+    groups_per_row = gl.cdiv(seqlen_k, 16) * 4
+    g = 0
+    m0 = m_lo
+    for i in range(total):
+        # counter row of query m0 + 2 * query_mid (bit 3 dropped): dropout_keep's rows0 + (i >> 4) * 8 + (i & 7)
+        row = (dropout_head_rows(off_b, nheads, off_h0 + g, seqlen_q) + m0 // 2 + 2 * query_mid).to(gl.int64)
+        base = offset + row * groups_per_row + col  # (4, 4, 4): the call of query bits 0, 4, 5 = 0
+        lo = gl.zeros(base.shape, gl.uint32, KEEP_DRAW)
+        hi = gl.zeros(base.shape, gl.uint32, KEEP_DRAW)
+        for j in range(8):  # a loop: one call's state live
+            c = 7 - j  # query bit 0 + 2 * (query >> 4); the last call shifted in lands at bits 0..3
+            r0, r1, r2, r3 = philox_wide(seed, base + ((c >> 1) * 8 + (c & 1)) * groups_per_row)
+            lo, hi = _shift_in_call(lo, hi, r0, r1, r2, r3, addend)
+        lo = gl.where(keep_all, 0xFFFFFFFF, lo)
+        hi = gl.where(keep_all, 0xFFFFFFFF, hi)
+        words = gl.reshape(gl.permute(gl.join(lo, hi), [0, 1, 3, 2]), [4, 8, 4])  # key & 7 = 2 * mid + bit 0
+        s = WG * SLOTS + i % SLOTS
+        # a fresh mbarrier counts as having completed the phase before 0, so the first lap does not wait
+        mbarrier.wait(keep_empty.index(s), ((i // SLOTS) & 1) ^ 1)
+        keep_bufs.index(s).store(words.to(gl.int32, bitcast=True))
+        gl.thread_barrier()  # every lane's word written before the consumer is told
+        mbarrier.arrive(keep_full.index(s))
+        g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
+
+
+@gluon.jit
+def _producer(args, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs,
+     k_smem, v_smem, ready, empty, kv_bar,
+     q_row, q_row_per_head, q_col, q_col_per_head, do_row, do_row_per_head, do_col, do_col_per_head,
+     k_row, k_col, v_row, v_col, lse_base, lse_per_head, m_lo, m_end, total) = args
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma_load(k_desc, [k_row, k_col], kv_bar, k_smem)
+    tma_load(v_desc, [v_row, v_col], kv_bar, v_smem)
+    step_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+    g = 0
+    m0 = m_lo
+    for i in range(total):
+        s = i % STAGES
+        # a fresh mbarrier counts as having completed the phase before 0, so the first lap does not wait
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        bar = ready.index(s)
+        mbarrier.expect(bar, step_bytes)
+        tma_load(q_desc, [q_row + g * q_row_per_head + m0, q_col + g * q_col_per_head], bar, q_bufs.index(s))
+        tma_load(do_desc, [do_row + g * do_row_per_head + m0, do_col + g * do_col_per_head], bar,
+                 do_bufs.index(s))
+        rows = lse_base + g * lse_per_head + m0
+        tma_load(lse_desc, [rows], bar, lse_bufs.index(s))
+        tma_load(delta_desc, [rows], bar, delta_bufs.index(s))
+        g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
+
+
+@gluon.jit
+def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, ALIBI_SLOPES,
+          alibi_base, offs_m, offs_n, key0, shift, qk_scale, zero_s, a_layout: gl.constexpr,
+          row_layout: gl.constexpr, MASK: gl.constexpr, HALF_N: gl.constexpr, STAGES: gl.constexpr,
+          ALIBI: gl.constexpr, LSE_FIRST: gl.constexpr, dq_parts, WG: gl.constexpr, FUSED_DQ: gl.constexpr,
+          keep_parts, DROPOUT: gl.constexpr):
+    """Step i of a consumer: query block m0 of GQA head g into dK and dV. MASK: 0 none, 1 the causal mask, 2
+    the causal mask where the step crosses the diagonal (a branch per step). FUSED_DQ: dQ's share of the step
+    too (`_fused_dq`; dq_parts its buffers and barriers, else unused). DROPOUT: the step's keep word from the
+    drawer (keep_parts: the rings of keep words, consumer WG's slots WG * KEEP_SLOTS + the step's, their
+    barriers, and 1 / (1 - p)); dV sums the kept Pᵀ dO unscaled (`_consumer` scales it once at the end), and
+    dS = P (Z dP / (1 - p) - delta)."""
+    dtype: gl.constexpr = q_bufs.dtype
+    s = i % STAGES
+    alibi_log2 = head_slope_log2(ALIBI_SLOPES, alibi_base + g, ALIBI)  # the step's query head's slope
+    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+    q_s = q_bufs.index(s)  # (BM, D)
+    do_s = do_bufs.index(s)
+    if LSE_FIRST:  # (BM,) in log2 units; see `lse_first`
+        lse_log2 = lse_bufs.index(s).load(row_layout) * LOG2E
+    s_t = warpgroup_mma(k_s, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (HALF_N, BM)
+    dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    if not LSE_FIRST:  # read under the two matmuls
+        lse_log2 = lse_bufs.index(s).load(row_layout) * LOG2E
+        delta = delta_bufs.index(s).load(row_layout)
+    if DROPOUT:  # read under the two matmuls
+        keep_bufs, keep_full, keep_empty, keep_scale = keep_parts
+        KEEP_SLOTS: gl.constexpr = keep_bufs.shape[0] // 2  # each consumer's: STAGES, or 1 with the fused dQ
+        keep_slot = WG * KEEP_SLOTS + i % KEEP_SLOTS
+        mbarrier.wait(keep_full.index(keep_slot), (i // KEEP_SLOTS) & 1)
+        word = keep_bufs.index(keep_slot).load(KEEP_WORDS)
+    s_t = warpgroup_mma_wait(1, deps=(s_t, ))
+    # the previous step's stage can be refilled: its matmuls were waited for at the end of that step (and the
+    # warpgroup's matmul issue is aligned: every warp has read that step's keep word too)
+    mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+    if DROPOUT and not FUSED_DQ:
+        mbarrier.arrive(keep_empty.index(WG * KEEP_SLOTS + (i + KEEP_SLOTS - 1) % KEEP_SLOTS), pred=i > 0)
+    scores_t = s_t * qk_scale  # log2 units
+    if ALIBI:
+        scores_t += alibi_bias(alibi_log2, (m0 + shift) + offs_m[None, :], offs_n[:, None])
+    p_t = gl.exp2(scores_t - lse_log2[None, :])
+    if MASK == 1:
+        p_t = _causal_mask(p_t, offs_n, offs_m, m0 + shift)
+    elif MASK == 2:  # only the steps that cross the diagonal hide any of the warpgroup's keys
+        if key0 + HALF_N - 1 > m0 + shift:
+            if DROPOUT:
+                p_t = gl.where(_visible_tile(zero_s, m0 + shift - key0), p_t, 0.0)
+            else:
+                p_t = _causal_mask(p_t, offs_n, offs_m, m0 + shift)
+    if DROPOUT:
+        keep = _keep_tile(word, zero_s)
+        dv = warpgroup_mma(gl.convert_layout(gl.where(keep, p_t, 0.0).to(dtype), a_layout), do_s, dv,
+                           is_async=True)
+    else:
+        dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
+    if LSE_FIRST:  # delta is live from here on only, with LSE no longer needed
+        delta = delta_bufs.index(s).load(row_layout)
+    dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
+    if DROPOUT:  # the keep tile again from the word, reread: 32 values live across dV's issue spilled
+        keep = _keep_tile(keep_bufs.index(keep_slot).load(KEEP_WORDS), zero_s)
+        ds_t = p_t * (gl.where(keep, dp_t * keep_scale, 0.0) - delta[None, :])
+    else:
+        ds_t = p_t * (dp_t - delta[None, :])
+    if FUSED_DQ:
+        ds_bf = ds_t.to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(ds_bf, a_layout), q_s, dk, is_async=True)
+        dk, dv = _fused_dq(i, ds_bf, dk, dv, dq_parts, WG)
+        if DROPOUT:  # every warp has passed `_fused_dq`'s partition barriers, so every word was read: one slot
+            mbarrier.arrive(keep_empty.index(keep_slot))
+    else:
+        dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_s, dk, is_async=True)
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))  # not carried into the next step: see the docstring
+    return warpgroup_mma_init(dk), warpgroup_mma_init(dv)
+
+
+@gluon.jit
+def _fused_dq(i, ds_bf, dk, dv, dq_parts, WG: gl.constexpr):
+    """dQ's share of step i, with the step's dK and dV matmuls in flight; returns them waited for. The step's
+    query block takes dS K over the program's 128 keys, split along D between the consumers (FA3's form):
+    each stores its (BM, HALF_N) dS into the step's shared tile, waits for the other's (`ds_full`), multiplies
+    the whole (BM, 128) dS by its half of K's columns, and leaves that (BM, D / 2) fp32 partial in the step's
+    dQ slot, which the reducer warp adds into the fp32 dQ in global memory (`_dq_reducer`). Both dS and dQ
+    slots are two deep, so a consumer waits for the other only at `ds_full`."""
+    ds_bufs, dq_bufs, ds_full, dq_full, dq_empty, k_smem, softmax_scale = dq_parts
+    BLOCK_M: gl.constexpr = ds_bufs.shape[1]
+    BLOCK_N: gl.constexpr = ds_bufs.shape[2]
+    HALF_D: gl.constexpr = dq_bufs.shape[2] // 2
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    slot = i % 2
+    phase = (i // 2) & 1
+    ds_s = ds_bufs.index(slot)  # (BM, BLOCK_N): dS, queries by the program's keys
+    # step i + 2 rewrites this slot only after both consumers passed step i + 1's ds_full, which each reaches
+    # after its step-i dQ matmul was waited for
+    ds_s.slice(WG * HALF_N, HALF_N, dim=1).store(gl.permute(ds_bf, (1, 0)))
+    fence_async_shared()
+    gl.thread_barrier()  # every thread's write done before the other consumer is told
+    mbarrier.arrive(ds_full.index(slot))
+    # dK and dV done first: with them and their register operands in flight beside dQ's accumulator, ptxas
+    # serialized the matmuls (warning C7512)
+    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF_D, 16])  # (queries, D / 2)
+    mbarrier.wait(ds_full.index(slot), phase)
+    dq = warpgroup_mma(ds_s, k_smem.slice(WG * HALF_D, HALF_D, dim=1),
+                       gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout), use_acc=False, is_async=True)
+    dq = warpgroup_mma_wait(0, deps=(dq, ))
+    # a fresh mbarrier counts as having completed the phase before 0, so the first lap does not wait
+    mbarrier.wait(dq_empty.index(slot), phase ^ 1)
+    dq_bufs.index(slot).slice(WG * HALF_D, HALF_D, dim=1).store(dq * softmax_scale)
+    fence_async_shared()
+    gl.thread_barrier()  # every thread's write done before the reducer is told
+    mbarrier.arrive(dq_full.index(slot))
+    return dk, dv
+
+
+@gluon.jit
+def _dq_reducer(args, BLOCK_M: gl.constexpr):
+    """The fused dQ's reduce (`_fused_dq`): per step, once both consumers' halves are in the step's slot, a TMA
+    reduce-add of the (BM, D) fp32 tile into dQ, in 128-byte column chunks (the TMA box of a 128-byte swizzle;
+    the lowering splits copies, not reduces). Issued by a warp of its own so that no consumer waits for it."""
+    dq_desc, dq_bufs, dq_full, dq_empty, dq_row, dq_row_per_head, dq_col, dq_col_per_head, m_lo, m_end, total = args
+    CHUNK: gl.constexpr = dq_desc.block_type.shape[1]
+    CHUNKS: gl.constexpr = dq_bufs.shape[2] // CHUNK
+    g = 0
+    m0 = m_lo
+    for i in range(total):
+        slot = i % 2
+        mbarrier.wait(dq_full.index(slot), (i // 2) & 1)
+        dq_s = dq_bufs.index(slot)
+        for c in gl.static_range(CHUNKS):
+            tma_reduce_add(dq_desc, [dq_row + g * dq_row_per_head + m0, dq_col + g * dq_col_per_head + c * CHUNK],
+                           dq_s.slice(c * CHUNK, CHUNK, dim=1))
+        tma.store_wait(CHUNKS)  # this step's reduces may run on; the step before's have read their slot
+        mbarrier.arrive(dq_empty.index((i + 1) % 2), pred=i > 0)
+        g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
+    tma.store_wait(0)  # every reduce has read its slot before the program's shared memory goes
+
+
+@gluon.jit
+def _consumer(args, ALIBI_SLOPES, dq_parts, keep_parts, WG: gl.constexpr, CAUSAL: gl.constexpr,
+              HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, STAGES: gl.constexpr,
+              ALIBI: gl.constexpr, REG_KV: gl.constexpr, LSE_FIRST: gl.constexpr, FUSED_DQ: gl.constexpr,
+              DROPOUT: gl.constexpr):
+    (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar, DK, DV, dk_base, stride_dks,
+     dv_base, stride_dvs, alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale) = args
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])  # (keys, queries)
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEADDIM, 16])  # (keys, D)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+
+    k_s = k_smem.slice(WG * HALF_N, HALF_N)  # (HALF_N, D)
+    v_s = v_smem.slice(WG * HALF_N, HALF_N)
+    row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query (column of Sᵀ)
+    offs_m = gl.arange(0, BLOCK_M, layout=row_layout)
+    key0 = n0 + WG * HALF_N  # the warpgroup's first key
+    offs_n = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
+    zero_s = gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout)
+    # the loop carries dK and dV typed as pending matmul results (each step re-wraps its waited values)
+    dk = warpgroup_mma_init(gl.zeros([HALF_N, HEADDIM], gl.float32, acc_layout))
+    dv = warpgroup_mma_init(gl.zeros([HALF_N, HEADDIM], gl.float32, acc_layout))
+
+    mbarrier.wait(kv_bar, 0)
+    if REG_KV:  # K and V as the register operands of every K Qᵀ and V dOᵀ (register_kv)
+        operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+        k_s = k_s.load(operand)
+        v_s = v_s.load(operand)
+    if CAUSAL and REG_KV:
+        # With K and V in registers a branch on the mask inside the step miscompiled (wrong dK and dV, no ptxas
+        # warning), so each head's steps run as two loops: those that cross the diagonal
+        # (j < n_diag: some of the warpgroup's keys hidden from some queries) with the mask, then the rest
+        # without it.
+        n_mblocks = (m_end - m_lo) // BLOCK_M
+        n_diag = gl.minimum(gl.cdiv(gl.maximum(key0 + HALF_N - 1 - shift - m_lo, 0), BLOCK_M), n_mblocks)
+        i = 0
+        for g in range(group_size):
+            for j in range(n_diag):
+                dk, dv = _step(i, g, m_lo + j * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs,
+                               ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, qk_scale,
+                               zero_s, a_layout, row_layout, 1, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, WG,
+                               FUSED_DQ, keep_parts, DROPOUT)
+                i += 1
+            for j in range(n_diag, n_mblocks):
+                dk, dv = _step(i, g, m_lo + j * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs,
+                               ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, qk_scale,
+                               zero_s, a_layout, row_layout, 0, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, WG,
+                               FUSED_DQ, keep_parts, DROPOUT)
+                i += 1
+    else:
+        g = 0
+        m0 = m_lo
+        for i in range(total):
+            dk, dv = _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty,
+                           ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, qk_scale, zero_s, a_layout,
+                           row_layout, 2 if CAUSAL else 0, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, WG, FUSED_DQ,
+                           keep_parts, DROPOUT)
+            g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
+    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+
+    dtype: gl.constexpr = q_bufs.dtype
+    offs_key = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, acc_layout))
+    offs_d = gl.arange(0, HEADDIM, layout=gl.SliceLayout(0, acc_layout))
+    gl.store(DK + dk_base + offs_key[:, None] * stride_dks + offs_d[None, :], (dk * softmax_scale).to(dtype))
+    if DROPOUT:
+        dv = dv * keep_parts[3]  # the kept Pᵀ dO, times 1 / (1 - p)
+    gl.store(DV + dv_base + offs_key[:, None] * stride_dvs + offs_d[None, :], dv.to(dtype))
+
+
+@gluon.jit
+def attn_bwd_dkdv_hopper_kernel(
+    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, DK, DV, ALIBI_SLOPES, SEED_OFFSET,
+    q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, dq_rows, dq_cols,  # see rows_view
+    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lse_b, stride_lse_h,
+    stride_alibi_b, nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
+    CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
+    STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr,
+    LSE_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FUSED_DQ: gl.constexpr,
+    DROPOUT: gl.constexpr,
+):
+    BLOCK_N: gl.constexpr = 2 * HALF_N
+    num_n = gl.cdiv(seqlen_k, BLOCK_N)
+    # Triton's 1-D grid order (triton/common.py); causal: the first key blocks see the most queries
+    off_bhk, pid_n = head_and_block(num_n, True, HEAD_GROUP)
+    off_b = off_bhk // nheads_k
+    off_hk = off_bhk % nheads_k
+    off_h0 = off_hk * group_size
+    n0 = pid_n * BLOCK_N
+    shift = seqlen_k - seqlen_q
+    m_lo = 0
+    if CAUSAL:
+        m_lo = (gl.maximum(n0 - shift, 0) // BLOCK_M) * BLOCK_M
+    n_mblocks = gl.cdiv(gl.maximum(seqlen_q - m_lo, 0), BLOCK_M)
+    m_end = m_lo + n_mblocks * BLOCK_M
+    total = group_size * n_mblocks
+
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+    mbarrier.init(kv_bar, count=1)
+    if FUSED_DQ:  # `_fused_dq`'s buffers: two slots each of the step's dS tile and of its dQ partial
+        ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, BLOCK_N],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], q_desc.dtype))
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEADDIM],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEADDIM], gl.float32))
+        ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(2):
+            mbarrier.init(ds_full.index(s), count=2)  # one arrival per consumer warpgroup
+            mbarrier.init(dq_full.index(s), count=2)
+            mbarrier.init(dq_empty.index(s), count=1)  # the reducer's
+        dq_parts = (ds_bufs, dq_bufs, ds_full, dq_full, dq_empty, k_smem, softmax_scale)
+    else:
+        dq_parts = 0
+    if DROPOUT:  # each consumer's ring of keep words (`_keep_drawer`): one slot with the fused dQ (`_step`)
+        gl.static_assert(BLOCK_M == 64 and HALF_N == 64, "the keep words are laid out for 64 x 64")
+        KEEP_SLOTS: gl.constexpr = 1 if FUSED_DQ else STAGES
+        keep_bufs, keep_full, keep_empty = allocate_keep_ring(KEEP_SLOTS, [4, 8, 4], KEEP_SHARED)
+        keep_parts = (keep_bufs, keep_full, keep_empty, 1.0 / (1.0 - dropout_p))
+        nheads = nheads_k * group_size
+        drawer_args = (keep_bufs, keep_full, keep_empty, SEED_OFFSET, dropout_p, off_b, nheads, off_h0, seqlen_q,
+                       seqlen_k, n0, m_lo, m_end, total)
+    else:
+        keep_parts = 0
+    fence_async_shared()
+
+    lse_base = off_b * stride_lse_b + off_h0 * stride_lse_h
+    dk_base = off_b * stride_dkb + off_hk * stride_dkh
+    dv_base = off_b * stride_dvb + off_hk * stride_dvh
+    alibi_base = off_b * stride_alibi_b + off_h0  # the slopes of the GQA group's query heads follow
+    # the partitions' runtime arguments as tuples, their constexprs apart (a constexpr in a tuple is not one)
+    consumer_args = (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar, DK, DV,
+                     dk_base, stride_dks, dv_base, stride_dvs, alibi_base, n0, shift, m_lo, m_end, total,
+                     group_size, qk_scale, softmax_scale)
+    producer_args = (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
+                     delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
+                     off_b * q_rows[0] + off_h0 * q_rows[1], q_rows[1], off_h0 * q_cols, q_cols,
+                     off_b * do_rows[0] + off_h0 * do_rows[1], do_rows[1], off_h0 * do_cols, do_cols,
+                     off_b * k_rows[0] + off_hk * k_rows[1] + n0, off_hk * k_cols,
+                     off_b * v_rows[0] + off_hk * v_rows[1] + n0, off_hk * v_cols, lse_base, stride_lse_h,
+                     m_lo, m_end, total)
+    if FUSED_DQ:  # a fourth partition, the reducer warp
+        reducer_args = (dq_desc, dq_bufs, dq_full, dq_empty, off_b * dq_rows[0] + off_h0 * dq_rows[1], dq_rows[1],
+                        off_h0 * dq_cols, dq_cols, m_lo, m_end, total)
+    # the partition lists differ by member (warp_specialize takes literal lists); the consumers are alike in each
+    if FUSED_DQ and DROPOUT:
+        gl.warp_specialize([
+            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
+                         STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
+                         STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+            (_producer, (producer_args, BLOCK_M, STAGES)),
+            (_dq_reducer, (reducer_args, BLOCK_M)),
+            (_keep_drawer, (drawer_args, 0, BLOCK_M, HALF_N)),
+            (_keep_drawer, (drawer_args, 1, BLOCK_M, HALF_N)),
+        ], [4, 1, 1, 2, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+    elif FUSED_DQ:
+        gl.warp_specialize([
+            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
+                         STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
+                         STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+            (_producer, (producer_args, BLOCK_M, STAGES)),
+            (_dq_reducer, (reducer_args, BLOCK_M)),
+        ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+    elif DROPOUT:  # a drawer partition (two warps) per consumer, each with its consumer's keys
+        gl.warp_specialize([
+            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
+                         STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
+                         STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+            (_producer, (producer_args, BLOCK_M, STAGES)),
+            (_keep_drawer, (drawer_args, 0, BLOCK_M, HALF_N)),
+            (_keep_drawer, (drawer_args, 1, BLOCK_M, HALF_N)),
+        ], [4, 1, 2, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
+                         STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
+                         STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+            (_producer, (producer_args, BLOCK_M, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, varlen: bool,
+              max_seqlen_q: int, max_seqlen_k: int, window_left: int, window_right: int, softcap: float,
+              dropout_p: float) -> bool:
+    """Whether this kernel covers the call: sm_90 with Gluon, dense rows whose lengths divide the tiles, bf16/fp16,
+    head dim 64 or 128, causal or unmasked, dropout at head dim 128. Anything else keeps the Triton kernel."""
+    if not sm90_dense_ok(q, k, v, dout, varlen=varlen, window_left=window_left, window_right=window_right,
+                         softcap=softcap, dropout_p=dropout_p, with_dropout=q.shape[-1] == 128):
+        return False
+    return max_seqlen_q % BLOCK_M[q.shape[-1]] == 0 and max_seqlen_k % BLOCK_N == 0
+
+
+def register_kv(headdim: int) -> bool:
+    """Whether `_consumer` holds its K and V rows in registers, so that the K Qᵀ and V dOᵀ matmuls read only Qᵀ
+    and dOᵀ from shared memory (from shared memory, an m64n64 wgmma needs both operands' 4 KB per 32 cycles, the
+    shared memory's whole 128 B per cycle). At head dim 64 that is 32 registers a thread; at head dim 128, 64
+    registers, and the kernel spills. Under the causal mask it runs as two loops per head (`_consumer`), since
+    skipping the mask by a branch inside the step miscompiled with K and V in registers (docs/tuning.md, "Gluon
+    dK/dV")."""
+    return headdim <= 64
+
+
+def lse_first(headdim: int) -> bool:
+    """Whether `_step` reads its LSE values before issuing the step's two matmuls and its delta values only after
+    issuing dV's, rather than both right after the two matmuls. At head dim 128 a consumer's registers hold dK and dV
+    (128) besides Sᵀ and dPᵀ (64), and LSE and delta live side by side (32 more) made ptxas spill, and the waits on
+    those values' shared-memory reads (queued behind the matmuls' issue) and on the spills' reloads were a tenth of
+    Nsight Compute's stall samples; read apart, the spills almost vanish and dK/dV is faster. At head dim 64 nothing
+    spills, and the early read only delays the matmuls' issue (docs/tuning.md, "Gluon dK/dV")."""
+    return headdim > 64
+
+
+def worker_registers(dropout: bool) -> int:
+    """The setmaxnreg count of the warpgroups after the consumers', which hold the producer warp and the reducer or
+    drawer warps (and padding): setmaxnreg applies to a whole warpgroup, so they share it."""
+    return DRAWER_REGISTERS if dropout else PRODUCER_REGISTERS
+
+
+def consumer_registers(headdim: int, dropout: bool = False) -> int:
+    """The registers a thread that setmaxnreg gives the worker consumer warpgroup; the default partition's consumer
+    gets what the producer warp (PRODUCER_REGISTERS) and this one leave of the MAXNREG x 12 warps the kernel is
+    launched with (`default_consumer_registers`): at 240 both consumers hold 240, where at head dim 128 ptxas
+    spills nothing (and GPU time ties with 232 / 248); head dim 64 spills nothing either way and keeps 232. With
+    dropout (16 warps of MAXNREG_DROPOUT) the producer's and the drawers' two warpgroups take DRAWER_REGISTERS each,
+    and the consumers split the rest evenly (232 each). options.KernelOptions.dkdv_consumer_registers forces it."""
+    if dropout:
+        return (4 * MAXNREG_DROPOUT - 2 * worker_registers(True)) // 16 * 8
+    return 240 if headdim > 64 else 232
+
+
+def default_consumer_registers(consumer: int, dropout: bool = False) -> int:
+    """The default partition's consumer's registers a thread: its warpgroup's share of the three warpgroups'
+    MAXNREG each (four of MAXNREG_DROPOUT with dropout), less the worker consumer's and the others'
+    (`worker_registers`)."""
+    if dropout:
+        return 4 * MAXNREG_DROPOUT - consumer - 2 * worker_registers(True)
+    return 3 * MAXNREG - consumer - worker_registers(False)
+
+
+def launch_maxnreg(dropout: bool) -> int:
+    """The registers a thread the kernel is launched with: the register file over its 12 warps, or 16 with the
+    drawers."""
+    return MAXNREG_DROPOUT if dropout else MAXNREG
+
+
+def fuses_dq(headdim: int) -> bool:
+    """Whether the kernel can add dQ into an fp32 buffer itself (`_fused_dq`, `_dq_reducer`): head dim 128, where
+    K is read from shared memory (at 64 it is held in registers, `register_kv`), and a Triton whose Gluon can issue
+    TMA reduce-adds (common.TMA_REDUCE). With dropout too: the keep words' ring then has one slot per
+    consumer (1 KB; the shared memory is all but full), released once the step's dS is shared (`_step`)."""
+    return TMA_REDUCE and not register_kv(headdim)
+
+
+def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_scale: float, causal: bool,
+                  alibi_slopes=None, dq_accum=None, seed_offset=None, dropout_p: float = 0.0,
+                  options: KernelOptions = DEFAULT) -> None:
+    """dK, dV (written into dk, dv) for a call `supported` accepted. q, dout: (B, Sq, H, D); k, v: (B, Sk, Hk, D);
+    lse, delta: (B, H, Sq) fp32 (natural-log LSE); qk_scale = softmax_scale * log2(e); alibi_slopes: None or
+    float32 (H,) / (B, H). dq_accum: None, or a zeroed fp32 (B, Sq, H, D) that dQ is added into (where `fuses_dq`;
+    not deterministic: the key blocks' reduce-adds land in any order). dropout_p > 0: the forward's keep bits, drawn
+    from seed_offset (ops.draw_seed_offset's int64 (seed, offset)); head dim 128. options: its register_kv,
+    dkdv_consumer_registers and head_group."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    fused = dq_accum is not None
+    dropout = dropout_p > 0
+    if fused and not fuses_dq(headdim):
+        raise ValueError(f"the Gluon dK/dV adds dQ itself only where fuses_dq (head dim 128), not at {headdim}")
+    if dropout and (headdim != 128 or seed_offset is None):
+        raise ValueError(f"the Gluon dK/dV draws dropout at head dim 128 from a seed_offset tensor, not at head dim "
+                         f"{headdim} with seed_offset={seed_offset!r}")
+    if fused and (dq_accum.dtype != torch.float32 or dq_accum.shape != q.shape):
+        raise ValueError(f"dq_accum must be float32 shaped like q {tuple(q.shape)}, got {dq_accum.dtype} "
+                         f"{tuple(dq_accum.shape)}")
+    block_m = BLOCK_M[headdim]
+    q_desc, q_rows, q_cols = descriptor(q, block_m)
+    do_desc, do_rows, do_cols = descriptor(dout, block_m)
+    k_desc, k_rows, k_cols = descriptor(k, BLOCK_N)
+    v_desc, v_rows, v_cols = descriptor(v, BLOCK_N)
+    # the kernel addresses both by the LSE's strides: delta is made by empty_like(lse) (ops.attn_bwd_impl)
+    assert delta.stride() == lse.stride() and lse.stride(-1) == 1, (lse.stride(), delta.stride())
+    lse_desc, delta_desc = vector_descriptor(lse, block_m), vector_descriptor(delta, block_m)
+    dq_desc, dq_rows, dq_cols = fp32_descriptor(dq_accum, block_m) if fused else (None, (0, 0), 0)
+    grid = (batch * nheads_k * triton.cdiv(seqlen_k, BLOCK_N),)
+    reg_kv, consumer_regs = options.register_kv, options.dkdv_consumer_registers
+    attn_bwd_dkdv_hopper_kernel[grid](
+        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, dk, dv, alibi_slopes, seed_offset,
+        q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, dq_rows, dq_cols,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
+        nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
+        CAUSAL=causal, HEADDIM=headdim, BLOCK_M=block_m, HALF_N=HALF_N, STAGES=STAGES,
+        HEAD_GROUP=head_group(causal, triton.cdiv(seqlen_k, BLOCK_N), q.device, options.head_group),
+        ALIBI=alibi_slopes is not None, REG_KV=register_kv(headdim) if reg_kv is None else reg_kv,
+        LSE_FIRST=lse_first(headdim),
+        CONSUMER_REGS=consumer_registers(headdim, dropout) if consumer_regs is None else consumer_regs,
+        PRODUCER_REGS=worker_registers(dropout), FUSED_DQ=fused, DROPOUT=dropout,
+        num_warps=4, maxnreg=launch_maxnreg(dropout),
+    )

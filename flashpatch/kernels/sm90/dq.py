@@ -1,0 +1,354 @@
+"""dQ for Hopper (sm_90) in Gluon, warp-specialized like fwd.py and dkdv.py.
+
+  producer (1 warp):     Q and dO of the program's 128 queries once; then, per step, TMA loads of a (BLOCK_N, D)
+                         tile of K and one of V into a ring of STAGES buffers, each with its own `ready` mbarrier.
+  consumer w (4 warps):  queries [m0 + 64 w, m0 + 64 w + 64): per step S = Q Kᵀ and dP = dO Vᵀ issued together,
+                         P = exp2(S - LSE) while dP runs, dS = P (dP - delta), dQ += dS K; the stage is released
+                         once dS K is done. With dropout, the keep bits of the step are drawn while the two
+                         matmuls run (`dropout_keep_acc`) and dP becomes dP · Z / (1 - p).
+
+Reads the LSE (natural log) and delta = rowsum(dO * O) that the forward and triton/backward.py's preprocess kernel
+wrote. Its programs, K/V ring and producer loop are the forward's (common.py). Scope: `supported`, the forward's and
+dropout, drawn in the consumers' registers under the step's two matmuls.
+A persistent grid (`_persistent_dq`), as the forward's, where config.persistent_grid chooses it (rows of at most 8
+query blocks, when dK/dV does not run beside it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+
+from flashpatch.kernels.config import head_group, persistent_grid, sm_count
+from flashpatch.kernels.options import DEFAULT, KernelOptions
+from flashpatch.kernels.sm90.common import (
+    alibi_bias, allocate_kv_ring, allocate_query_barriers, descriptor, dropout_seed_offset, head_slope_log2,
+    persistent_rounds, persistent_tile, philox_wide, producer_persistent, query_block_of_tile, query_block_program,
+    sm90_dense_ok, stream_kv, tma_load)
+from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_rows, keep_from_words
+
+HALF_M = 64  # queries per consumer warpgroup
+BLOCK_M = 2 * HALF_M  # queries per program
+BLOCK_N = 64  # keys per step
+STAGES = 2  # K/V ring depth
+MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
+
+
+@gluon.jit
+def dropout_keep_acc(seed, offset, rows0, n0, seqlen_k, dropout_p, like):
+    """triton.common.dropout_keep's (BLOCK_M, BLOCK_N) keep tile, bit for bit, in the shape and layout of `like`, a
+    wgmma accumulator (rows0 = dropout_head_rows(...) + m0 // 2).
+
+    Each Philox call decides the eight (query, key) pairs that differ in query bit 3 and key bits 0 and 3, and
+    in the accumulator layout a thread holds all eight. So the counters are computed per element, the tile is
+    reshaped so that those three bits are its last dimensions, and splitting them off leaves one counter per
+    call in the thread that needs its outputs; joining the outputs back and undoing the reshape gives the
+    accumulator layout again, which `assert_trivial` checks at compile time (no data moves between threads)."""
+    BLOCK_M: gl.constexpr = like.shape[0]
+    BLOCK_N: gl.constexpr = like.shape[1]
+    layout: gl.constexpr = like.type.layout
+    groups_per_row = gl.cdiv(seqlen_k, 16) * 4
+    i = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    j = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    row = (rows0 + (i >> 4) * 8 + (i & 7)).to(gl.int64)  # counter row of query i (bit 3 dropped)
+    col = n0 // 4 + (j >> 4) * 4 + ((j >> 1) & 3)  # counter column of key j (bits 0 and 3 dropped)
+    counter = offset + row[:, None] * groups_per_row + col[None, :]  # (BM, BN): each counter 8 times
+    # (i >> 4, i3, i & 7, j >> 4, j3, (j >> 1) & 3, j0) -> (i >> 4, i & 7, j >> 4, (j >> 1) & 3, j0, j3, i3)
+    counter = gl.permute(gl.reshape(counter, [BLOCK_M // 16, 2, 8, BLOCK_N // 16, 2, 4, 2]),
+                         [0, 2, 3, 5, 6, 4, 1])
+    counter, _ = gl.split(counter)  # i3 = 0
+    counter, _ = gl.split(counter)  # j3 = 0
+    counter, _ = gl.split(counter)  # j0 = 0: (BM / 16, 8, BN / 16, 4), one counter per call
+    r0, r1, r2, r3 = philox_wide(seed, counter)  # triton.common.keep_tile's words, fewer instructions
+    keep = keep_from_words(r0, r1, r2, r3, dropout_p, BLOCK_M, BLOCK_N)  # its joins undo the splits and reshape
+    return gl.convert_layout(keep, layout, assert_trivial=True)
+
+
+@gluon.jit
+def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty,
+                 qdo_bar, q_row, q_col, do_row, do_col, k_row, k_col, v_row, v_col, n_steps,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    mbarrier.expect(qdo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma_load(q_desc, [q_row, q_col], qdo_bar, q_smem)
+    tma_load(do_desc, [do_row, do_col], qdo_bar, do_smem)
+    stream_kv(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, k_row, k_col, v_row, v_col, n_steps, 0,
+              BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _dq_step(i, ring, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta, offs_m,
+             offs_n, shift, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p,
+             MASKED: gl.constexpr, DROPOUT: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr):
+    """Key block i into dq, from the ring's slot `ring` (= i but in a persistent program)."""
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq.type.layout, k_width=2)
+    s = ring % STAGES
+    phase = (ring // STAGES) & 1
+    k_s = k_bufs.index(s)  # (BLOCK_N, D)
+    mbarrier.wait(ready_k.index(s), phase)
+    qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # (HALF_M, BLOCK_N)
+    mbarrier.wait(ready_v.index(s), phase)
+    dp = warpgroup_mma(do_s, v_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    if DROPOUT:  # integer work under both matmuls
+        keep = dropout_keep_acc(seed, offset, drop_rows, i * BLOCK_N, seqlen_k, dropout_p, zero_s)
+    qk = warpgroup_mma_wait(1, deps=(qk, ))
+    scores = qk * qk_scale  # log2 units
+    if ALIBI:
+        scores += alibi_bias(alibi_log2, offs_m[:, None] + shift, (i * BLOCK_N + offs_n)[None, :])
+    p = gl.exp2(scores - lse_log2[:, None])
+    if MASKED:  # bottom-right aligned: key n is visible from query m when n <= m + Sk - Sq
+        p = gl.where((i * BLOCK_N + offs_n)[None, :] <= offs_m[:, None] + shift, p, 0.0)
+    dp = warpgroup_mma_wait(0, deps=(dp, ))
+    if DROPOUT:
+        dp = gl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+    ds = p * (dp - delta[:, None])
+    dq = warpgroup_mma(gl.convert_layout(ds.to(q_s.dtype), a_layout), k_s, dq, is_async=True)
+    dq = warpgroup_mma_wait(0, deps=(dq, ))
+    mbarrier.arrive(empty.index(s))
+    return dq
+
+
+@gluon.jit
+def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_bar, DQ, LSE, DELTA, dq_base,
+                 stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale, alibi_log2,
+                 SEED_OFFSET, drop_rows, seqlen_k, dropout_p, WG: gl.constexpr, HEADDIM: gl.constexpr,
+                 HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DROPOUT: gl.constexpr,
+                 ALIBI: gl.constexpr):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEADDIM, 16])  # (queries, D)
+    q_s = q_smem.slice(WG * HALF_M, HALF_M)  # (HALF_M, D)
+    do_s = do_smem.slice(WG * HALF_M, HALF_M)
+    offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    lse_log2 = gl.load(LSE + lse_base + offs_m) * 1.4426950408889634
+    delta = gl.load(DELTA + lse_base + offs_m)
+    zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+    dq = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
+    seed, offset = dropout_seed_offset(SEED_OFFSET, DROPOUT)
+    drop_rows = drop_rows + WG * HALF_M // 2  # this warpgroup's first counter row
+
+    dq = _dq_block(dq, q_s, do_s, qdo_bar, 0, 0, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta,
+                   offs_m, offs_n, shift, n_full, n_steps, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k,
+                   dropout_p, DROPOUT, ALIBI, BLOCK_N, STAGES, False)
+    _dq_store(dq, DQ, dq_base, stride_dqs, m0 + WG * HALF_M, softmax_scale, q_s.dtype, HEADDIM, HALF_M)
+
+
+@gluon.jit
+def _dq_block(dq, q_s, do_s, qdo_bar, qdo_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2,
+              delta, offs_m, offs_n, shift, n_full, n_steps, qk_scale, alibi_log2, seed, offset, drop_rows,
+              seqlen_k, dropout_p, DROPOUT: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, ONE_LOOP: gl.constexpr):
+    """A consumer warpgroup's query rows offs_m, once their Q and dO have landed (qdo_bar's phase qdo_phase): the
+    key blocks below the diagonal without a mask, then the masked ones, from the K/V ring's slot `ring` on;
+    returns dq (unscaled) for `_dq_store`. ONE_LOOP: one loop that picks the masked step per block, for the
+    persistent kernel (fwd._fwd_block_pipelined says why)."""
+    mbarrier.wait(qdo_bar, qdo_phase)
+    if ONE_LOOP:
+        for i in range(0, n_steps):
+            if i < n_full:
+                dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
+                              lse_log2, delta, offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset,
+                              drop_rows, seqlen_k, dropout_p, False, DROPOUT, ALIBI, BLOCK_N, STAGES)
+            else:
+                dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
+                              lse_log2, delta, offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset,
+                              drop_rows, seqlen_k, dropout_p, True, DROPOUT, ALIBI, BLOCK_N, STAGES)
+    else:
+        for i in range(0, n_full):
+            dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2,
+                          delta, offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k,
+                          dropout_p, False, DROPOUT, ALIBI, BLOCK_N, STAGES)
+        for i in range(n_full, n_steps):
+            dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2,
+                          delta, offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k,
+                          dropout_p, True, DROPOUT, ALIBI, BLOCK_N, STAGES)
+    return dq
+
+
+@gluon.jit
+def _dq_store(dq, DQ, dq_base, stride_dqs, row0, softmax_scale, dtype: gl.constexpr, HEADDIM: gl.constexpr,
+              HALF_M: gl.constexpr):
+    """dQ = softmax_scale * dq of a warpgroup's HALF_M queries from row0."""
+    o_layout: gl.constexpr = dq.type.layout
+    rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
+    offs_d = gl.arange(0, HEADDIM, layout=gl.SliceLayout(0, o_layout))
+    gl.store(DQ + dq_base + rows[:, None] * stride_dqs + offs_d[None, :], (dq * softmax_scale).to(dtype))
+
+
+@gluon.jit
+def _dq_consumer_persistent(q_bufs, do_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_ready, qdo_empty, DQ,
+                            LSE, DELTA, SEED_OFFSET, ALIBI_SLOPES, stride_dqb, stride_dqs, stride_dqh,
+                            stride_lse_b, stride_lse_h, stride_alibi_b, num_tiles, nheads, group_size, seqlen_q,
+                            seqlen_k, qk_scale, softmax_scale, dropout_p, WG: gl.constexpr, CAUSAL: gl.constexpr,
+                            HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, DROPOUT: gl.constexpr,
+                            ALIBI: gl.constexpr):
+    """`_dq_consumer` over this program's tiles, the producer's order; releases Q and dO (`qdo_empty`) after
+    the tile's last step, before its store."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEADDIM, 16])  # (queries, D)
+    num_bh = num_tiles // gl.cdiv(seqlen_q, 2 * HALF_M)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+    seed, offset = dropout_seed_offset(SEED_OFFSET, DROPOUT)
+    ring = 0
+    done = 0
+    for rnd in range(persistent_rounds(num_tiles, None, 0)):
+        tile = persistent_tile(rnd, None, 0)
+        if tile < num_tiles:
+            off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_of_tile(
+                tile, num_bh, seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_GROUP)
+            lse_base = off_b * stride_lse_b + off_h * stride_lse_h
+            offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+            lse_log2 = gl.load(LSE + lse_base + offs_m) * 1.4426950408889634
+            delta = gl.load(DELTA + lse_base + offs_m)
+            alibi_log2 = head_slope_log2(ALIBI_SLOPES, off_b * stride_alibi_b + off_h, ALIBI)
+            # this warpgroup's first dropout counter row (the kernel's drop_rows + WG * HALF_M // 2)
+            drop_rows = dropout_head_rows(off_b, nheads, off_h, seqlen_q) + (m0 + WG * HALF_M) // 2
+            qb = done % 2
+            q_s = q_bufs.index(qb).slice(WG * HALF_M, HALF_M)  # (HALF_M, D)
+            do_s = do_bufs.index(qb).slice(WG * HALF_M, HALF_M)
+            dq = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
+            dq = _dq_block(dq, q_s, do_s, qdo_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs, ready_k,
+                           ready_v, empty, zero_s, lse_log2, delta, offs_m, offs_n, shift, n_full, n_steps,
+                           qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p, DROPOUT, ALIBI,
+                           BLOCK_N, STAGES, True)
+            mbarrier.arrive(qdo_empty.index(qb))
+            _dq_store(dq, DQ, off_b * stride_dqb + off_h * stride_dqh, stride_dqs, m0 + WG * HALF_M,
+                      softmax_scale, q_s.dtype, HEADDIM, HALF_M)
+            ring += n_steps
+            done += 1
+
+
+@gluon.jit
+def _persistent_dq(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, SEED_OFFSET, ALIBI_SLOPES, q_rows, q_cols,
+                   do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, stride_dqb, stride_dqs, stride_dqh,
+                   stride_lse_b, stride_lse_h, stride_alibi_b, num_tiles, nheads, group_size, seqlen_q,
+                   seqlen_k, qk_scale, softmax_scale, dropout_p, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr,
+                   HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr,
+                   DROPOUT: gl.constexpr, ALIBI: gl.constexpr):
+    """The PERSISTENT kernel body: two buffers of Q and dO, the K/V ring, the three partitions looping over
+    the program's tiles."""
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
+    k_bufs, v_bufs, ready_k, ready_v, empty = allocate_kv_ring(k_desc, v_desc, STAGES, 2)
+    qdo_ready, qdo_empty = allocate_query_barriers()
+    fence_async_shared()
+    gl.warp_specialize([
+        (_dq_consumer_persistent, (q_bufs, do_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_ready,
+                                   qdo_empty, DQ, LSE, DELTA, SEED_OFFSET, ALIBI_SLOPES, stride_dqb, stride_dqs,
+                                   stride_dqh, stride_lse_b, stride_lse_h, stride_alibi_b, num_tiles, nheads,
+                                   group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p, 0, CAUSAL,
+                                   HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, DROPOUT, ALIBI)),
+        (_dq_consumer_persistent, (q_bufs, do_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_ready,
+                                   qdo_empty, DQ, LSE, DELTA, SEED_OFFSET, ALIBI_SLOPES, stride_dqb, stride_dqs,
+                                   stride_dqh, stride_lse_b, stride_lse_h, stride_alibi_b, num_tiles, nheads,
+                                   group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p, 1, CAUSAL,
+                                   HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, DROPOUT, ALIBI)),
+        (producer_persistent, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, ready_k,
+                               ready_v, empty, qdo_ready, qdo_empty, q_rows, q_cols, do_rows, do_cols,
+                               k_rows, k_cols, v_rows, v_cols, num_tiles, nheads, group_size, seqlen_q,
+                               seqlen_k, None, 0, CAUSAL, 2 * HALF_M, BLOCK_N, STAGES, HEAD_GROUP)),
+    ], [4, 1], [232, 24])
+
+
+@gluon.jit
+def attn_bwd_dq_hopper_kernel(
+    q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, SEED_OFFSET, ALIBI_SLOPES,
+    q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
+    stride_dqb, stride_dqs, stride_dqh, stride_lse_b, stride_lse_h, stride_alibi_b,
+    num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
+    CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, DROPOUT: gl.constexpr, ALIBI: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+):
+    if PERSISTENT:  # num_tiles: batch x heads x query blocks, which the programs take in turn
+        _persistent_dq(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, SEED_OFFSET, ALIBI_SLOPES, q_rows, q_cols,
+                       do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, stride_dqb, stride_dqs, stride_dqh,
+                       stride_lse_b, stride_lse_h, stride_alibi_b, num_tiles, nheads, group_size, seqlen_q,
+                       seqlen_k, qk_scale, softmax_scale, dropout_p, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES,
+                       HEAD_GROUP, DROPOUT, ALIBI)
+        return
+    off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_program(
+        seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_GROUP)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, do_desc.block_type.shape, do_desc.layout)
+    k_bufs, v_bufs, ready_k, ready_v, empty = allocate_kv_ring(k_desc, v_desc, STAGES, 2)
+    qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(qdo_bar, count=1)
+    fence_async_shared()
+
+    dq_base = off_b * stride_dqb + off_h * stride_dqh
+    lse_base = off_b * stride_lse_b + off_h * stride_lse_h
+    drop_rows = dropout_head_rows(off_b, nheads, off_h, seqlen_q) + m0 // 2
+    alibi_log2 = head_slope_log2(ALIBI_SLOPES, off_b * stride_alibi_b + off_h, ALIBI)
+    gl.warp_specialize([
+        (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_bar, DQ, LSE, DELTA,
+                        dq_base, stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale,
+                        alibi_log2, SEED_OFFSET, drop_rows, seqlen_k, dropout_p, 0, HEADDIM, HALF_M, BLOCK_N,
+                        STAGES, DROPOUT, ALIBI)),
+        (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_bar, DQ, LSE, DELTA,
+                        dq_base, stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale,
+                        alibi_log2, SEED_OFFSET, drop_rows, seqlen_k, dropout_p, 1, HEADDIM, HALF_M, BLOCK_N,
+                        STAGES, DROPOUT, ALIBI)),
+        (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v,
+                        empty, qdo_bar,
+                        off_b * q_rows[0] + off_h * q_rows[1] + m0, off_h * q_cols,
+                        off_b * do_rows[0] + off_h * do_rows[1] + m0, off_h * do_cols,
+                        off_b * k_rows[0] + off_hk * k_rows[1], off_hk * k_cols,
+                        off_b * v_rows[0] + off_hk * v_rows[1], off_hk * v_cols,
+                        n_steps, BLOCK_N, STAGES)),
+    ], [4, 1], [232, 24])
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, varlen: bool,
+              max_seqlen_q: int, max_seqlen_k: int, window_left: int, window_right: int, softcap: float,
+              dropout_p: float) -> bool:
+    """common.sm90_dense_ok, with dropout, and lengths that divide the tiles (the 2-D TMA views run on into
+    the next head's rows)."""
+    return (sm90_dense_ok(q, k, v, dout, varlen=varlen, window_left=window_left, window_right=window_right,
+                          softcap=softcap, dropout_p=dropout_p, with_dropout=True)
+            and max_seqlen_q % BLOCK_M == 0 and max_seqlen_k % BLOCK_N == 0)
+
+
+def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: float, causal: bool,
+                seed_offset=None, dropout_p: float = 0.0, alibi_slopes=None, beside_dkdv: bool = False,
+                options: KernelOptions = DEFAULT) -> None:
+    """dQ (written into dq, (B, Sq, H, D)) for a call `supported` accepted; lse, delta: (B, H, Sq) fp32;
+    seed_offset: the forward's (2,) int64 (ops.draw_seed_offset) when dropout_p > 0; alibi_slopes: None or float32
+    (H,) / (B, H); beside_dkdv: the dK/dV kernel runs at the same time on another stream (config.persistent_grid);
+    options: its persistent_dq and head_group."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    q_desc, q_rows, q_cols = descriptor(q, BLOCK_M)
+    do_desc, do_rows, do_cols = descriptor(dout, BLOCK_M)
+    k_desc, k_rows, k_cols = descriptor(k, BLOCK_N)
+    v_desc, v_rows, v_cols = descriptor(v, BLOCK_N)
+    num_tiles = batch * nheads * triton.cdiv(seqlen_q, BLOCK_M)
+    num_m = triton.cdiv(seqlen_q, BLOCK_M)
+    order = head_group(causal, num_m, q.device, options.head_group)
+    persistent = options.persistent_dq
+    if persistent is None:
+        persistent = persistent_grid("dq", num_m, headdim, beside_dkdv)
+    if persistent:  # as fwd.attn_fwd's
+        grid = (min(num_tiles, sm_count(q.device)),)
+        order = 0 if causal else order
+    else:
+        grid = (num_tiles,)
+    attn_bwd_dq_hopper_kernel[grid](
+        q_desc, do_desc, k_desc, v_desc, dq, lse, delta, seed_offset, alibi_slopes,
+        q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,
+        dq.stride(0), dq.stride(1), dq.stride(2), lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
+        num_tiles, nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
+        CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
+        HEAD_GROUP=order, DROPOUT=dropout_p > 0, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
+        num_warps=4, maxnreg=MAXNREG,
+    )

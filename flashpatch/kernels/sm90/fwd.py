@@ -1,0 +1,609 @@
+"""Forward attention for Hopper (sm_90) in Gluon, warp-specialized like dkdv.py: one producer warp and two consumer
+warpgroups per program (three at head dim 64: CONSUMERS_BY_HEADDIM), synchronised by mbarriers.
+
+  producer (1 warp):     Q of the program's 128 (192) queries once; then, per step, TMA loads of a (BLOCK_N, D)
+                         tile of K and one of V into a ring of STAGES buffers, each with its own `ready` mbarrier,
+                         so Q Kᵀ can start before V has landed.
+  consumer w (4 warps):  queries [m0 + 64 w, m0 + 64 w + 64): per step S = Q Kᵀ, the online softmax in exp2
+                         (running max m, running sum l), O = O · exp2(m_old - m) + P V; the stage is released
+                         (`empty`, one arrival per consumer) once P V is done.
+
+No consumer waits for another, so one's softmax runs under the others' matmuls (FA3's intra-warpgroup skew on top of
+that measured slower). Causal masks are bottom-right aligned; the steps that cross the diagonal run a masked copy of
+the step, the others none. ALiBi slopes, when given (ALIBI), add -slope * |i + Sk - Sq - j| to every step's scores
+(`alibi_bias`). LSE is stored in natural log, +inf for a row that sees no key (its output is 0), as the Triton
+forward does (triton/forward.py), so both backward kernels take it. Scope: `supported` (with three consumers the
+last query block may run past the rows, which TMA fills from the next head's rows or with zeros, and the stores
+skip).
+
+A persistent grid (`_persistent_fwd`, where config.persistent_grid chooses it: head dim 128) launches one program per
+SM instead, each looping over query blocks, so that a block's Q load and first K/V blocks run under the previous
+block's steps. Under a causal mask its programs take their blocks from a table built on the host
+(schedule.causal_schedule: head groups kept together for L2, the load balanced). Its consumers' loop is pipelined by
+one matmul (`_fwd_block_pipelined`): a step issues the previous block's P V and then its own S = Q Kᵀ and waits for
+both, so the tensor core runs them back to back. docs/tuning.md ("Gluon forward") has the measurements.
+
+With dropout (head dim 128, one program per query block) the keep bits come from warps of their own, as in dkdv.py's
+backward, so that the Philox arithmetic runs beside the consumers' matmuls and softmax:
+
+  drawer w (4 warps):    per step, the Philox calls of consumer w's (64 queries, 128 keys) tile at the counters of
+                         triton.common.dropout_keep (the bits every kernel draws), eight decisions a call shifted into
+                         two 32-bit words per consumer thread, into a ring of KEEP_SLOTS slots (`keep_full` /
+                         `keep_empty`); the consumer expands its words in registers (`_fwd_keep_tile`) and zeroes the
+                         dropped weights of P before P V, after the running sum has counted them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+
+from flashpatch.kernels.config import head_group, persistent_grid, sm_count
+from flashpatch.kernels.options import DEFAULT, KernelOptions
+from flashpatch.kernels.sm90.common import (
+    allocate_keep_ring, allocate_kv_ring, allocate_query_barriers, alibi_bias, carry_addend, carry_shift_in_ptx,
+    descriptor, dropout_seed_offset, head_slope_log2, kept_dims, persistent_rounds, persistent_tile, philox_wide,
+    producer_persistent, query_block_of_tile, query_block_program, sm90_dense_ok, stream_kv, tma_load)
+from flashpatch.kernels.sm90.schedule import causal_schedule_tensor
+from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_rows
+
+HALF_M = 64  # queries per consumer warpgroup
+BLOCK_M = 2 * HALF_M  # queries per program with two consumer warpgroups
+# Consumer warpgroups per program (one program per query block; the persistent grid keeps two): FA3 runs head dim 64
+# with three, 192 queries per program, so that two warpgroups' matmuls cover the third's softmax, which at head dim
+# 64 costs as much as its matmuls (docs/tuning.md, "Gluon forward").
+CONSUMERS_BY_HEADDIM = {64: 3, 128: 2}
+BLOCK_N = 128  # keys per step
+STAGES = 2  # K/V ring depth
+MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
+MAXNREG_3 = 128  # three consumers: 13 warps, launched as 16 (a multiple of 4): 16 x 32 x 128 = 64K
+# Dropout (head dim 128, the grid of one program per query block): two drawer partitions of DRAWER_WARPS warps each
+# (`_fwd_keep_drawer`) draw each consumer's keep bits beside its matmuls, as dkdv.py's drawers do for the backward;
+# `dropout_registers` splits the register file. Four warps each beat two (docs/tuning.md, the dropout forward).
+DRAWER_WARPS = 4
+KEEP_SLOTS = 2  # each consumer's ring of keep words
+
+
+# Dropout. A consumer's step tile S is (HALF_M, BLOCK_N) = (64 queries, 128 keys). In the wgmma accumulator layout
+# a thread holds query bit 3 and key bits 0, 3, 4, 5, 6 in its registers, so the eight decisions of a Philox call
+# (query bit 3, key bits 0 and 3: triton.common.dropout_keep) all land in one thread, eight calls a step
+# (key >> 4). They come from the consumer's drawer as two 32-bit words per consumer thread: decision (query bit 3,
+# key) is word key >> 6's bit
+#     8 * ((key >> 4) & 3) + 2 * (2 * query bit 3 + key bit 3) + key bit 0,
+# the order in which the drawer shifts them in (`_shift_in_call`).
+# FWD_KEEP_TILE8 is S as (query >> 4, query bit 3, query & 7, key >> 6, (key >> 4) & 3, key bit 3, (key >> 1) & 3,
+# key bit 0): the accumulator layout with its register dimensions apart, so that a thread's word broadcast over
+# them gives each register its bit at a position known at compile time.
+FWD_KEEP_TILE8 = gl.constexpr(gl.BlockedLayout(
+    size_per_thread=[1, 2, 1, 2, 4, 2, 1, 2], threads_per_warp=[1, 1, 8, 1, 1, 1, 4, 1],
+    warps_per_cta=[4, 1, 1, 1, 1, 1, 1, 1], order=[7, 1, 5, 4, 3, 6, 2, 0]))
+FWD_KEEP_WORDS = kept_dims(FWD_KEEP_TILE8, (0, 2, 3, 6))  # (4, 8, 2, 4): a thread's two words
+FWD_KEEP_QUERY3, FWD_KEEP_CALL, FWD_KEEP_KEY3, FWD_KEEP_KEY0 = (kept_dims(FWD_KEEP_TILE8, (dim, ))
+                                                               for dim in (1, 4, 5, 7))
+# the drawer's tile, a slot's words (query >> 4, query & 7, key >> 6, (key >> 1) & 3) over its DRAWER_WARPS warps: a
+# lane draws the words of two consumer warps
+FWD_KEEP_DRAW = gl.constexpr(gl.BlockedLayout([2, 1, 1, 1], [1, 8, 1, 4], [2, 1, 2, 1], [3, 1, 2, 0]))
+FWD_KEEP_SHARED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))  # a slot's (4, 8, 2, 4) words
+_KEEP_SLOTS = gl.constexpr(KEEP_SLOTS)  # as the kernel reads it
+
+# One Philox call's eight decisions shifted into a word, r3's high half first and r0's low half last, so that
+# after four calls call c's decision (output word k, half h) sits at bit 8 (c & 3) + 2 k + h. A decision
+# half >= t is the carry out of half * 2^16 + (2^32 - t * 2^16), which `addc` shifts in (dkdv.py's
+# drawers do the same for two words at once). $0: the word out; $1..$4: r0..r3; $5: 2^32 - t * 2^16; $6: the
+# word in.
+_SHIFT_IN_ASM = gl.constexpr(carry_shift_in_ptx(
+    [(r, half, "$0", "$6" if (r, half) == ("$4", "hi") else "$0") for r in ("$4", "$3", "$2", "$1")
+     for half in ("hi", "lo")], "$5"))
+
+
+@gluon.jit
+def _shift_in_call(word, r0, r1, r2, r3, carry_addend):
+    """`_SHIFT_IN_ASM`: one call's decisions shifted into `word`."""
+    return gl.inline_asm_elementwise(_SHIFT_IN_ASM, "=&r,r,r,r,r,r,r", [r0, r1, r2, r3, carry_addend, word],
+                                     dtype=gl.uint32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _fwd_keep_drawer(args, WG: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Drawer partition WG: consumer WG's keep words, step by step, into its ring of slots (`keep_full` /
+    `keep_empty`), drawn at triton.common.dropout_keep's counters (the bits that the backward and the Triton kernels
+    draw): the lanes of the drawer's warps in layout FWD_KEEP_DRAW over the slot's words, each lane runs calls
+    4 word .. 4 word + 3 of the consumer threads whose words it holds, one call of each at once."""
+    DRAW: gl.constexpr = FWD_KEEP_DRAW
+    (keep_bufs, keep_full, keep_empty, SEED_OFFSET, dropout_p, off_b, nheads, off_h, seqlen_q, seqlen_k, m0,
+     n_steps) = args
+    SLOTS: gl.constexpr = keep_bufs.shape[0] // 2  # each consumer's
+    seed, offset = dropout_seed_offset(SEED_OFFSET, True)
+    addend, keep_all = carry_addend(dropout_p)
+    # counter row rows0 + 8 (query >> 4) + (query & 7) of each of the slot's (4, 8) query rows
+    query_lo = 8 * _draw_index(4, 0, DRAW) + _draw_index(8, 1, DRAW)
+    word = _draw_index(2, 2, DRAW)
+    key_mid = _draw_index(4, 3, DRAW)
+    groups_per_row = gl.cdiv(seqlen_k, 16) * 4
+    rows0 = dropout_head_rows(off_b, nheads, off_h, seqlen_q) + (m0 + WG * HALF_M) // 2
+    for i in range(n_steps):
+        s = WG * SLOTS + i % SLOTS
+        # the slot's words of step i - SLOTS read (a fresh mbarrier counts as having completed the phase before
+        # 0, so the first lap does not wait); with two slots a step's draw still runs under the step before
+        mbarrier.wait(keep_empty.index(s), ((i // SLOTS) & 1) ^ 1)
+        # call c = 4 word + 3 - j of key block i: counter column i BLOCK_N / 4 + 4 c + (key >> 1) & 3
+        col = i * (BLOCK_N // 4) + word * 16 + key_mid + 12  # (1, 1, 2, 4): j = 0
+        base = offset + (rows0 + query_lo).to(gl.int64) * groups_per_row + col  # (4, 8, 2, 4)
+        words = gl.zeros(base.shape, gl.uint32, DRAW)
+        for j in range(4):  # a call of each of the lane's words in flight
+            r0, r1, r2, r3 = philox_wide(seed, base - 4 * j)
+            words = _shift_in_call(words, r0, r1, r2, r3, addend)
+        keep_bufs.index(s).store(gl.where(keep_all, 0xFFFFFFFF, words).to(gl.int32, bitcast=True))
+        gl.thread_barrier()  # every lane's words written before the consumer is told
+        mbarrier.arrive(keep_full.index(s))
+
+
+@gluon.jit
+def _draw_index(n: gl.constexpr, DIM: gl.constexpr, DRAW: gl.constexpr):
+    """arange(0, n) along dimension DIM of the drawer's 4-D layout DRAW, the other three dimensions of size 1."""
+    L3: gl.constexpr = gl.SliceLayout(3, DRAW)
+    if DIM == 0:
+        return gl.arange(0, n, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None, None]
+    elif DIM == 1:
+        return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None, None]
+    elif DIM == 2:
+        return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :, None]
+    else:
+        return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, DRAW))))[
+            None, None, None, :]
+
+
+@gluon.jit
+def _fwd_keep_tile(words, like):
+    """The step's (HALF_M, BLOCK_N) keep tile in the layout of `like` (the consumer's S) from the consumer
+    thread's two words (FWD_KEEP_WORDS): each register takes its own bit, at a position known at compile time."""
+    query3 = gl.arange(0, 2, layout=FWD_KEEP_QUERY3)[None, :, None, None, None, None, None, None]
+    call = gl.arange(0, 4, layout=FWD_KEEP_CALL)[None, None, None, None, :, None, None, None]
+    key3 = gl.arange(0, 2, layout=FWD_KEEP_KEY3)[None, None, None, None, None, :, None, None]
+    key0 = gl.arange(0, 2, layout=FWD_KEEP_KEY0)[None, None, None, None, None, None, None, :]
+    bit = 8 * call + 4 * query3 + 2 * key3 + key0
+    bits = (words[:, None, :, :, None, None, :, None] >> bit) & 1
+    bits = gl.reshape(bits, [like.shape[0], like.shape[1]])
+    return gl.convert_layout(bits, like.type.layout, assert_trivial=True) != 0
+
+
+@gluon.jit
+def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
+                  q_row, q_col, k_row, k_col, v_row, v_col, n_steps,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_TILES: gl.constexpr):
+    """Q's Q_TILES tiles into q_smem (Q_TILES, rows, D), then the program's key blocks (`stream_kv`)."""
+    mbarrier.expect(q_bar, Q_TILES * q_desc.block_type.nbytes)
+    for t in gl.static_range(Q_TILES):
+        tma_load(q_desc, [q_row + t * q_desc.block_type.shape[0], q_col], q_bar, q_smem.index(t))
+    stream_kv(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, k_row, k_col, v_row, v_col, n_steps, 0,
+              BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _fwd_step(i, ring, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
+              shift, qk_scale, alibi_log2, MASKED: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, FOLD: gl.constexpr, keep_parts, WG: gl.constexpr, DROPOUT: gl.constexpr):
+    """Key block i into (acc, m_i, l_i), from the ring's slot `ring` (= i but in a persistent program); offs_n:
+    the block's key indices relative to its start. DROPOUT: the step's keep words from consumer WG's drawer
+    (keep_parts: the words' ring, its slots WG * KEEP_SLOTS + the step's, and their barriers); the running sum
+    counts every weight, P V only the kept ones (`_fwd_epilogue` scales by 1 / (1 - p))."""
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+    s = ring % STAGES
+    phase = (ring // STAGES) & 1
+    mbarrier.wait(ready_k.index(s), phase)
+    qk = warpgroup_mma(q_s, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    if DROPOUT:  # read under the matmul
+        keep_bufs, keep_full, keep_empty = keep_parts
+        KEEP_SLOTS: gl.constexpr = keep_bufs.shape[0] // 2
+        keep_slot = WG * KEEP_SLOTS + i % KEEP_SLOTS
+        mbarrier.wait(keep_full.index(keep_slot), (i // KEEP_SLOTS) & 1)
+        words = keep_bufs.index(keep_slot).load(FWD_KEEP_WORDS)
+    qk = warpgroup_mma_wait(0, deps=(qk, ))  # (HALF_M, BLOCK_N)
+    p, m_new, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2, MASKED,
+                                           ALIBI, BLOCK_N, FOLD)
+    if DROPOUT:
+        p = gl.where(_fwd_keep_tile(words, p), p, 0.0)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+    mbarrier.wait(ready_v.index(s), phase)
+    acc = warpgroup_mma(gl.convert_layout(p.to(q_s.dtype), a_layout), v_bufs.index(s), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    mbarrier.arrive(empty.index(s))
+    if DROPOUT:
+        mbarrier.arrive(keep_empty.index(keep_slot))
+    return acc, m_new, l_i
+
+
+@gluon.jit
+def _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2, MASKED: gl.constexpr,
+                    ALIBI: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr):
+    """Scores of key block i into (P, new running max, new running sum, rescale factor of the old sums); the
+    running max is in log2 units.
+
+    FOLD (ignored with ALiBi, whose bias is added to the scaled scores): the row max is taken over the raw
+    scores and scaled once per row, and the scale goes into the exponent's subtraction as one fused
+    multiply-add per score, instead of a multiply per score and then a subtraction (qk_scale >= 0, which
+    validation ensures, keeps the max where it was)."""
+    if FOLD and not ALIBI:
+        scores = qk  # raw; scaled inside the max and the exponent below
+        scale = qk_scale
+    else:
+        scores = qk * qk_scale  # log2 units
+        if ALIBI:
+            scores += alibi_bias(alibi_log2, offs_m[:, None] + shift, (i * BLOCK_N + offs_n)[None, :])
+        scale = 1.0
+    if MASKED:  # bottom-right aligned: key n is visible from query m when n <= m + Sk - Sq
+        visible = (i * BLOCK_N + offs_n)[None, :] <= offs_m[:, None] + shift
+        scores = gl.where(visible, scores, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(scores, axis=1) * scale)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet stays at 0
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(scores * scale - m_safe[:, None])
+    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
+
+
+@gluon.jit
+def _fwd_consumer(q_s, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base, stride_os, lse_base,
+                  m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q,
+                  WG: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr, keep_parts, keep_fraction,
+                  DROPOUT: gl.constexpr):
+    """Consumer WG's queries of the program's block; with DROPOUT, keep_parts and keep_fraction = 1 - p
+    (`_fwd_step`, `_fwd_epilogue`), else unused."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
+    # q_s: this warpgroup's (HALF_M, D) rows of Q
+    offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+    acc, m_i, l_i = _fwd_block(q_s, q_bar, 0, 0, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
+                               shift, n_full, n_steps, qk_scale, alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES,
+                               ALIBI, FOLD, keep_parts, WG, DROPOUT)
+    _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, m0 + WG * HALF_M, seqlen_q,
+                  q_s.dtype, HEADDIM, HALF_M, keep_fraction, DROPOUT)
+
+
+@gluon.jit
+def _fwd_block(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift,
+               n_full, n_steps, qk_scale, alibi_log2, HEADDIM: gl.constexpr, HALF_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr, keep_parts,
+               WG: gl.constexpr, DROPOUT: gl.constexpr):
+    """A consumer warpgroup's HALF_M query rows offs_m in a program of one query block, once their Q has landed
+    (q_bar's phase q_phase): the key blocks below the diagonal without a mask, then the masked ones, read from the
+    K/V ring from slot `ring` on. Returns (acc, m_i, l_i) for `_fwd_epilogue`. keep_parts, WG, DROPOUT: `_fwd_step`'s.
+    (The persistent program's consumers run `_fwd_block_pipelined`.)"""
+    s_layout: gl.constexpr = zero_s.type.layout
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEADDIM, 16])  # (queries, D)
+    m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
+    mbarrier.wait(q_bar, q_phase)
+    for i in range(0, n_full):
+        acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
+                                  zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, False, ALIBI, BLOCK_N,
+                                  STAGES, FOLD, keep_parts, WG, DROPOUT)
+    for i in range(n_full, n_steps):
+        acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
+                                  zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, True, ALIBI, BLOCK_N,
+                                  STAGES, FOLD, keep_parts, WG, DROPOUT)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
+                         shift, n_full, n_steps, qk_scale, alibi_log2, HEADDIM: gl.constexpr, HALF_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr):
+    """`_fwd_block` (no dropout) for a persistent program's consumer, software-pipelined by one matmul: step i
+    issues block i - 1's P V and then block i's S = Q Kᵀ and waits for both at once, so the tensor core runs them
+    back to back instead of idling while the warpgroup waits for P V, releases the slot, and issues the next S. P is
+    carried from one step to the next as the bf16 matmul operand; the same arithmetic in the same order as
+    `_fwd_block`, so the outputs are the per-block program's bit for bit.
+
+    One loop over the key blocks picks the masked step per block (`_pipelined_softmax`), in place of
+    `_fwd_block`'s two loops: with two loops, Triton 3.6 compiled a persistent kernel so that the first consumer
+    warpgroup's matmuls read the wrong shared memory whenever the unmasked loop had no trips (a causal tile at the
+    diagonal), while the second warpgroup, the same code, was right. dq.py's persistent dQ keeps one loop too."""
+    s_layout: gl.constexpr = zero_s.type.layout
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEADDIM, 16])  # (queries, D)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
+    p_op = gl.zeros([HALF_M, BLOCK_N], q_s.dtype, a_layout)  # block i - 1's P, the next P V's A operand
+    mbarrier.wait(q_bar, q_phase)
+    if n_steps > 0:  # block 0's S and P (a row block past every key, causal with Sq > Sk, has no steps)
+        mbarrier.wait(ready_k.index(ring % STAGES), (ring // STAGES) & 1)
+        qk = warpgroup_mma(q_s, k_bufs.index(ring % STAGES).permute((1, 0)), zero_s, use_acc=False,
+                           is_async=True)
+        qk = warpgroup_mma_wait(0, deps=(qk, ))
+        p_op, acc, m_i, l_i = _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, 0, n_full, shift, qk_scale,
+                                            alibi_log2, q_s.dtype, a_layout, ALIBI, BLOCK_N, FOLD)
+    for i in range(1, n_steps):
+        prev = (ring + i - 1) % STAGES
+        mbarrier.wait(ready_v.index(prev), ((ring + i - 1) // STAGES) & 1)
+        pv = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+        s = (ring + i) % STAGES
+        mbarrier.wait(ready_k.index(s), ((ring + i) // STAGES) & 1)
+        qk = warpgroup_mma(q_s, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        qk, acc = warpgroup_mma_wait(0, deps=(qk, pv))
+        mbarrier.arrive(empty.index(prev))
+        p_op, acc, m_i, l_i = _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_full, shift, qk_scale,
+                                            alibi_log2, q_s.dtype, a_layout, ALIBI, BLOCK_N, FOLD)
+    if n_steps > 0:  # the last block's P V
+        last = (ring + n_steps - 1) % STAGES
+        mbarrier.wait(ready_v.index(last), ((ring + n_steps - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(empty.index(last))
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_full, shift, qk_scale, alibi_log2,
+                  dtype: gl.constexpr, a_layout: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
+                  FOLD: gl.constexpr):
+    """`_fwd_block_pipelined`'s step after its wait: block i's scores into P (the next P V's A operand: dtype,
+    a_layout), masked past the first n_full blocks, and acc rescaled by the running max's change."""
+    if i < n_full:
+        p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2, False,
+                                             ALIBI, BLOCK_N, FOLD)
+    else:
+        p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2, True,
+                                             ALIBI, BLOCK_N, FOLD)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+    return gl.convert_layout(p.to(dtype), a_layout), acc, m_i, l_i
+
+
+@gluon.jit
+def _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, row0, seqlen_q,
+                  dtype: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, keep_fraction,
+                  DROPOUT: gl.constexpr):
+    """LSE (natural log) and O = acc / l of a warpgroup's HALF_M queries from row0 (offs_m: the same rows in
+    the score layout), those before seqlen_q (a last query block may run past it: `supported`); with DROPOUT,
+    O = acc / (l (1 - p)), keep_fraction = 1 - p."""
+    o_layout: gl.constexpr = acc.type.layout
+    empty_row = l_i == 0.0  # the row sees no key: output 0, LSE +inf (so backward recomputes P = 0)
+    lse = gl.where(empty_row, float("inf"), (m_i + gl.log2(gl.where(empty_row, 1.0, l_i))) * 0.6931471805599453)
+    gl.store(LSE + lse_base + offs_m, lse, mask=offs_m < seqlen_q)
+    l_o = gl.convert_layout(gl.where(empty_row, 1.0, l_i), gl.SliceLayout(1, o_layout))
+    if DROPOUT:
+        l_o = l_o * keep_fraction
+    out = (acc / l_o[:, None]).to(dtype)
+    rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
+    offs_d = gl.arange(0, HEADDIM, layout=gl.SliceLayout(0, o_layout))
+    gl.store(O + o_base + rows[:, None] * stride_os + offs_d[None, :], out, mask=(rows < seqlen_q)[:, None])
+
+
+@gluon.jit
+def _fwd_consumer_persistent(q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
+                             ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
+                             stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
+                             SCHEDULE, schedule_rounds, WG: gl.constexpr, CAUSAL: gl.constexpr,
+                             HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                             STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr,
+                             FOLD: gl.constexpr):
+    """`_fwd_consumer` over this program's tiles, the producer's order; releases Q (`q_empty`) after the
+    tile's last step, before its epilogue."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
+    num_bh = num_tiles // gl.cdiv(seqlen_q, 2 * HALF_M)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+    ring = 0
+    done = 0
+    for rnd in range(persistent_rounds(num_tiles, SCHEDULE, schedule_rounds)):
+        tile = persistent_tile(rnd, SCHEDULE, schedule_rounds)
+        if tile < num_tiles:
+            off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_of_tile(
+                tile, num_bh, seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_GROUP)
+            alibi_log2 = head_slope_log2(ALIBI_SLOPES, off_b * stride_alibi_b + off_h, ALIBI)
+            qb = done % 2
+            q_s = q_bufs.index(qb).slice(WG * HALF_M, HALF_M)  # (HALF_M, D)
+            offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+            acc, m_i, l_i = _fwd_block_pipelined(q_s, q_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs,
+                                                 ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift, n_full,
+                                                 n_steps, qk_scale, alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES,
+                                                 ALIBI, FOLD)
+            mbarrier.arrive(q_empty.index(qb))
+            _fwd_epilogue(acc, m_i, l_i, O, LSE, off_b * stride_ob + off_h * stride_oh, stride_os,
+                          off_b * stride_lse_b + off_h * stride_lse_h, offs_m, m0 + WG * HALF_M, seqlen_q,
+                          q_s.dtype, HEADDIM, HALF_M, 1.0, False)
+            ring += n_steps
+            done += 1
+
+
+@gluon.jit
+def attn_fwd_hopper_kernel(
+    q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, SEED_OFFSET, SCHEDULE,
+    q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
+    stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
+    num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, dropout_p, schedule_rounds,
+    CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, PERSISTENT: gl.constexpr,
+    FOLD: gl.constexpr, CONSUMERS: gl.constexpr, DROPOUT: gl.constexpr, DRAWER_WARPS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr,
+):
+    if PERSISTENT:  # num_tiles: batch x heads x query blocks, which the programs take in turn
+        _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols, k_rows, k_cols, v_rows,
+                        v_cols, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
+                        num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, SCHEDULE, schedule_rounds,
+                        CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI, FOLD)
+        return
+    off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_program(
+        seqlen_q, seqlen_k, nheads, group_size, CAUSAL, CONSUMERS * HALF_M, BLOCK_N, HEAD_GROUP)
+    # Q in Q_TILES TMA tiles (a TMA tile's rows are a power of two: three consumers load one per warpgroup)
+    Q_TILES: gl.constexpr = 1 if CONSUMERS == 2 else CONSUMERS
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_TILES] + q_desc.block_type.shape, q_desc.layout)
+    k_bufs, v_bufs, ready_k, ready_v, empty = allocate_kv_ring(k_desc, v_desc, STAGES, CONSUMERS)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    if DROPOUT:  # each consumer's KEEP_SLOTS slots of keep words, filled by its drawer
+        keep_bufs, keep_full, keep_empty = allocate_keep_ring(_KEEP_SLOTS, [4, 8, 2, 4], FWD_KEEP_SHARED)
+    fence_async_shared()
+
+    o_base = off_b * stride_ob + off_h * stride_oh
+    lse_base = off_b * stride_lse_b + off_h * stride_lse_h
+    alibi_log2 = head_slope_log2(ALIBI_SLOPES, off_b * stride_alibi_b + off_h, ALIBI)
+    q_row = off_b * q_rows[0] + off_h * q_rows[1] + m0
+    k_row = off_b * k_rows[0] + off_hk * k_rows[1]
+    v_row = off_b * v_rows[0] + off_hk * v_rows[1]
+    if DROPOUT:  # head dim 128, two consumers (`attn_fwd`)
+        keep_parts = (keep_bufs, keep_full, keep_empty)
+        drawer_args = (keep_bufs, keep_full, keep_empty, SEED_OFFSET, dropout_p, off_b, nheads, off_h, seqlen_q,
+                       seqlen_k, m0, n_steps)
+        gl.warp_specialize([
+            (_fwd_consumer, (q_smem.index(0).slice(0, HALF_M), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O,
+                             LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2,
+                             seqlen_q, 0, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, keep_parts,
+                             1.0 - dropout_p, True)),
+            (_fwd_consumer, (q_smem.index(0).slice(HALF_M, HALF_M), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
+                             O, LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2,
+                             seqlen_q, 1, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, keep_parts,
+                             1.0 - dropout_p, True)),
+            (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
+                             q_row, off_h * q_cols, k_row, off_hk * k_cols, v_row, off_hk * v_cols, n_steps,
+                             BLOCK_N, STAGES, Q_TILES)),
+            (_fwd_keep_drawer, (drawer_args, 0, HALF_M, BLOCK_N)),
+            (_fwd_keep_drawer, (drawer_args, 1, HALF_M, BLOCK_N)),
+        ], [4, 1, DRAWER_WARPS, DRAWER_WARPS], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS, WORKER_REGS])
+    elif CONSUMERS == 3:  # head dim 64 (CONSUMERS_BY_HEADDIM): 13 warps share the register file
+        gl.warp_specialize([
+            (_fwd_consumer, (q_smem.index(0), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base,
+                             stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q, 0,
+                             HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False)),
+            (_fwd_consumer, (q_smem.index(1), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base,
+                             stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q, 1,
+                             HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False)),
+            (_fwd_consumer, (q_smem.index(2), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base,
+                             stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q, 2,
+                             HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False)),
+            (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
+                             q_row, off_h * q_cols, k_row, off_hk * k_cols, v_row, off_hk * v_cols, n_steps,
+                             BLOCK_N, STAGES, Q_TILES)),
+        ], [4, 4, 1], [160, 160, 24])
+    else:
+        gl.warp_specialize([
+            (_fwd_consumer, (q_smem.index(0).slice(0, HALF_M), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O,
+                             LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2,
+                             seqlen_q, 0, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False)),
+            (_fwd_consumer, (q_smem.index(0).slice(HALF_M, HALF_M), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
+                             O, LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2,
+                             seqlen_q, 1, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False)),
+            (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
+                             q_row, off_h * q_cols, k_row, off_hk * k_cols, v_row, off_hk * v_cols, n_steps,
+                             BLOCK_N, STAGES, Q_TILES)),
+        ], [4, 1], [232, 24])
+
+
+@gluon.jit
+def _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,
+                    stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
+                    num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, SCHEDULE, schedule_rounds,
+                    CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr):
+    """The PERSISTENT kernel body: two Q buffers (the next tile's Q loads under this one's steps), the K/V
+    ring, and the same three partitions looping over the program's tiles (`persistent_tile`: SCHEDULE's, or
+    the closed form where it is None)."""
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_bufs, v_bufs, ready_k, ready_v, empty = allocate_kv_ring(k_desc, v_desc, STAGES, 2)
+    q_ready, q_empty = allocate_query_barriers()
+    fence_async_shared()
+    gl.warp_specialize([
+        (_fwd_consumer_persistent, (q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
+                                    ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
+                                    stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
+                                    SCHEDULE, schedule_rounds, 0, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES,
+                                    HEAD_GROUP, ALIBI, FOLD)),
+        (_fwd_consumer_persistent, (q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
+                                    ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
+                                    stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
+                                    SCHEDULE, schedule_rounds, 1, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES,
+                                    HEAD_GROUP, ALIBI, FOLD)),
+        (producer_persistent, (q_desc, None, k_desc, v_desc, q_bufs, None, k_bufs, v_bufs, ready_k, ready_v,
+                               empty, q_ready, q_empty, q_rows, q_cols, None, None, k_rows, k_cols, v_rows,
+                               v_cols, num_tiles, nheads, group_size, seqlen_q, seqlen_k, SCHEDULE,
+                               schedule_rounds, CAUSAL, 2 * HALF_M, BLOCK_N, STAGES, HEAD_GROUP)),
+    ], [4, 1], [232, 24])
+
+
+def dropout_registers() -> tuple[int, int, int]:
+    """(registers a thread at launch, the consumers' setmaxnreg count, the other warpgroups') of the dropout form: its
+    9 + 2 DRAWER_WARPS warps launch as whole warpgroups (20) sharing the register file; setmaxnreg applies per
+    warpgroup, so the producer's and the drawers' warpgroups (with the padding warps) share one count, 48 (the
+    drawers' calls in flight spill under 40), and the consumers split the rest (168; ptxas spills nothing)."""
+    groups = 2 + (1 + 2 * DRAWER_WARPS + 3) // 4
+    maxnreg = 65536 // (groups * 128) // 8 * 8
+    worker = 48
+    return maxnreg, (groups * maxnreg - (groups - 2) * worker) // 2 // 8 * 8, worker
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool, max_seqlen_q: int,
+              max_seqlen_k: int, window_left: int, window_right: int, softcap: float, dropout_p: float) -> bool:
+    """Whether this kernel covers the call (common.sm90_dense_ok, dropout at head dim 128, and lengths that
+    divide 128: the 2-D TMA views run on into the next head's rows, which only the three-consumer form's 192-query
+    blocks, whose stores are masked, may read)."""
+    return (sm90_dense_ok(q, k, v, varlen=varlen, window_left=window_left, window_right=window_right,
+                          softcap=softcap, dropout_p=dropout_p, with_dropout=q.shape[-1] == 128)
+            and max_seqlen_q % BLOCK_M == 0 and max_seqlen_k % BLOCK_N == 0)
+
+
+def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None, fold: bool = False,
+             seed_offset=None, dropout_p: float = 0.0, options: KernelOptions = DEFAULT) -> None:
+    """out (B, Sq, H, D) and lse (B, H, Sq, float32, natural log) for a call `supported` accepted; q: (B, Sq, H, D),
+    k, v: (B, Sk, Hk, D); qk_scale = softmax_scale * log2(e); alibi_slopes: None or float32 (H,) / (B, H); fold:
+    config.KernelConfigs.fold_scale (`_softmax_update`, which ignores it with ALiBi). dropout_p > 0: head dim 128,
+    the keep bits drawn from seed_offset (ops.draw_seed_offset's int64 (seed, offset)) at triton.common.dropout_keep's
+    counters, on the grid of one program per query block (the persistent one has no drawers). options: its
+    persistent_fwd, causal_schedule and head_group."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    dropout = dropout_p > 0
+    if dropout and (headdim != 128 or seed_offset is None):
+        raise ValueError(f"the Gluon forward draws dropout at head dim 128 from a seed_offset tensor, not at head dim "
+                         f"{headdim} with seed_offset={seed_offset!r}")
+    if dropout:
+        persistent = False
+    elif options.persistent_fwd is None:
+        persistent = persistent_grid("fwd", triton.cdiv(seqlen_q, BLOCK_M), headdim)
+    else:
+        persistent = options.persistent_fwd
+    consumers = 2 if persistent else CONSUMERS_BY_HEADDIM[headdim]
+    block_m = consumers * HALF_M  # three consumers: the last block may run past seqlen_q (masked stores)
+    q_desc, q_rows, q_cols = descriptor(q, BLOCK_M if consumers == 2 else HALF_M)  # the kernel's Q_TILES
+    k_desc, k_rows, k_cols = descriptor(k, BLOCK_N)
+    v_desc, v_rows, v_cols = descriptor(v, BLOCK_N)
+    num_m = triton.cdiv(seqlen_q, block_m)
+    num_tiles = batch * nheads * num_m
+    order = head_group(causal, num_m, q.device, options.head_group)
+    schedule, schedule_rounds = None, 0
+    if persistent:
+        # one program per SM; a causal grid in head groups dealt out by schedule.causal_schedule, or (without
+        # options.causal_schedule, or in a CUDA graph capture that finds no table built) all heads block-major, heaviest
+        # first, which persistent_tile's alternating rounds balance
+        grid = (min(num_tiles, sm_count(q.device)),)
+        if causal and options.causal_schedule:
+            schedule, schedule_rounds = causal_schedule_tensor(batch * nheads, seqlen_q, seqlen_k, block_m, BLOCK_N,
+                                                               order, grid[0], q.device)
+        if causal and schedule is None:
+            order = 0
+    else:
+        grid = (num_tiles,)
+    if dropout:
+        maxnreg, consumer_regs, worker_regs = dropout_registers()
+    else:  # the setmaxnreg counts of the non-dropout forms are in the kernel
+        maxnreg, consumer_regs, worker_regs = (MAXNREG if consumers == 2 else MAXNREG_3), 0, 0
+    attn_fwd_hopper_kernel[grid](
+        q_desc, k_desc, v_desc, out, lse, alibi_slopes, seed_offset, schedule, q_rows, q_cols, k_rows, k_cols,
+        v_rows, v_cols, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        alibi_batch_stride(alibi_slopes), num_tiles, nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale,
+        dropout_p, schedule_rounds,
+        CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
+        HEAD_GROUP=order, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
+        FOLD=fold, CONSUMERS=consumers, DROPOUT=dropout, DRAWER_WARPS=DRAWER_WARPS, CONSUMER_REGS=consumer_regs,
+        WORKER_REGS=worker_regs, num_warps=4, maxnreg=maxnreg,
+    )
