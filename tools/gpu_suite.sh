@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session in one call: GPU tests, kernel tuning, benchmarks, recipes. A short summary prints last.
-#   bash tools/gpu_suite.sh [tests | tests1 tests2] [tune] [tune_fwd] [tune_dropout] [bench | bench_full | bench_table]
+#   bash tools/gpu_suite.sh [tests | tests1 tests2 | tests_par] [tune] [tune_fwd] [tune_dropout] [bench | bench_full | bench_table]
 #       [parity] [parity_dropout] [<config name>] ...   (tests1, tests2: each half of the GPU tests, for two calls)
 #   PARITY_SEEDS="0 1 2" repeats parity_dropout per seed.
 # Logs and reports go to $WORK; after every step they are packed into $OUT/suite.tgz (the device tool returns at
@@ -42,6 +42,19 @@ for step in $steps; do
       if [ "$step" = tests1 ]; then part=("${ids[@]:0:$half}"); else part=("${ids[@]:$half}"); fi
       python3 -m pytest -q -rs -p no:cacheprovider --durations=10 "${part[@]}" 2>&1 | tee "$WORK/pytest_gpu_$step.log"
       summary+=("$step (${#part[@]} of ${#ids[@]}): $(tail -n 1 "$WORK/pytest_gpu_$step.log")") ;;
+    tests_par)  # every GPU test in $JOBS (3) pytest processes at once, cases dealt in turn: compiling dominates, and
+      # the 16 host cores compile side by side while the GPU runs the others' cases
+      mapfile -t ids < <(python3 -m pytest -m gpu tests --co -q -p no:cacheprovider 2>/dev/null | grep "::")
+      jobs=${JOBS:-3}
+      for ((j = 0; j < jobs; j++)); do
+        part=(); for ((i = j; i < ${#ids[@]}; i += jobs)); do part+=("${ids[$i]}"); done
+        timeout "${PAR_TIMEOUT:-3000}" python3 -m pytest -q -rf -p no:cacheprovider "${part[@]}" > "$WORK/pytest_gpu_par$j.log" 2>&1 &
+      done
+      wait
+      for ((j = 0; j < jobs; j++)); do
+        summary+=("tests_par $j: $(tail -n 1 "$WORK/pytest_gpu_par$j.log")")
+        grep -E "^FAILED|^ERROR" "$WORK/pytest_gpu_par$j.log" | head -20
+      done ;;
     tune)
       python3 benchmarks/tune_kernels.py --out "$WORK" 2>&1 | tee "$WORK/tune.log"
       summary+=("tune: tune.log") ;;
