@@ -98,6 +98,7 @@ for step in $steps; do
   esac
   summary[-1]="${summary[-1]} ($(( $(date +%s) - start )) s)"
   printf '%s\n' "${summary[@]}" > "$WORK/summary.txt"
+  cp results/history.csv "$WORK/history.csv" 2>/dev/null  # the rows this run appended come back in suite.tgz
   tar czf "$OUT/suite.tgz" -C "$WORK" .
 done
 echo; echo "== gpu_suite summary =="; cat "$WORK/env.txt" "$WORK/summary.txt"
