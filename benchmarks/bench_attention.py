@@ -87,7 +87,7 @@ def varlen_batch(lengths: list[int], nheads: int, nheads_k: int, headdim: int):
 
 def build_cases(quick: bool, seqlens: tuple[int, ...] | None = None) -> list[Case]:
     """seqlens: the dense cases' lengths (default: 4096 with quick, else 1k to 16k)."""
-    tokens = 16384  # B·N, as in issue 7's peer table
+    tokens = 16384  # B·N, as in the README's table
     cases = []
     seqlens = seqlens or ((4096,) if quick else (1024, 2048, 4096, 8192, 16384))
     for head_dim in (128, 64):

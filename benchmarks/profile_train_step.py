@@ -2,7 +2,7 @@
 (wall time without the profiler) and once under the torch profiler, which gives the kernel time summed by kind
 (attention, matmul, the rest), the host syncs per step, the top kernels, and the GPU's idle gaps between kernels
 by the host op that launched the kernel after each (host-bound, or waiting on something else). Written for the
-padded-real-lengths run, which moved +0.3% when its varlen kernels got 17-19% faster (NOTES.md e14 has the answer).
+padded-real-lengths run, which moved +0.3% when its varlen kernels got 17-19% faster.
 
     python benchmarks/profile_train_step.py --config configs/padded_real_lengths.yaml --implementations fpatch \
         [--tree runs/trees/<name>] [--profile_steps 8]

@@ -25,20 +25,12 @@ from flashpatch.kernels import config as kc  # noqa: E402
 from flashpatch.kernels import options  # noqa: E402
 from flashpatch.kernels.config import LaunchConfig as L  # noqa: E402
 
-# Round 14 (--headdim 128; at issue 7's lengths and at the 1B training recipe's shape: --heads 16 --kv-heads 4
-# --batch 8 --seqlens 1024 --masks causal). At that shape the kernels take ~0.1 ms and do_bench times the host's
-# launch overhead too (one config measured 154 and 289 TFLOP/s in one run): time GPU kernels with the profiler
-# there (profile_kernels.kernel_times, as tools/gluon_check.py does). Round 14 also timed a fused backward launch
-# (dK/dV and dQ programs on one 1-D grid), which lost everywhere and was removed (NOTES.md, v16).
-# Round 13 (--seqlens 1024,2048): d64 at the short lengths of the 1B training recipe (seq 1024), where the
-# per-program prologue and epilogue weigh more than at the 4k-16k of earlier rounds. Earlier rounds:
-# docs/results/h200/tune_round{1..12}.json (1-3: tiles; 4: TMA descriptors, warp specialization, TMA atomic dQ;
-# 5: grid order; 6: matmul operands held in registers; 7: one-warpgroup dK/dV tiles; 8: loads without bounds
-# masks; 9: dropout tiles; 10: causal tiles after round 8; 11: Flex's dK/dV tile; 12: that tile without a mask;
-# the code for warp specialization and register operands was removed after those rounds). Each entry: (name,
-# function of the current KernelConfigs giving the fields to override).
-# Round 16 timed the forward loop skewed by one key block (FA3's intra-warpgroup overlap; NOTES.md v18), which lost
-# 8-10% in every case and was removed; the grid below is round 14's.
+# The grids below (`--headdim`, `--dropout`, `--seqlens`, `--masks`, `--heads`, `--kv-heads`, `--batch`). At the 1B
+# recipe's shape (--heads 16 --kv-heads 4 --batch 8 --seqlens 1024 --masks causal) the kernels take ~0.1 ms and
+# do_bench times the host's launch overhead too: time GPU kernels with the profiler there
+# (profile_kernels.kernel_times, as tools/gluon_check.py does). Each entry: (name, function of the current
+# KernelConfigs giving the fields to override). What each grid found, and what was tried and removed:
+# docs/tuning.md.
 FWD = {
     64: [("current", lambda c: {}),
          ("fwd 4 warps", lambda c: dict(fwd=replace(c.fwd, num_warps=4))),
@@ -60,7 +52,7 @@ BWD = {
                                               bwd_dq=replace(c.bwd_dq, blocks_fastest=True))),
          ("both heads first", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, blocks_fastest=False),
                                              bwd_dq=replace(c.bwd_dq, blocks_fastest=False))),
-         ("dkdv dp first", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, dp_first=True))),  # round 16
+         ("dkdv dp first", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, dp_first=True))),
          ("current, again", lambda c: {})],
     128: [("current", lambda c: {}),
           ("dkdv 32x128 w8 s3", lambda c: dict(bwd_dkdv=L(32, 128, 8, 3, c.bwd_dkdv.blocks_fastest))),
@@ -72,9 +64,9 @@ BWD = {
           ("dq 64x64 w4 s3 TMA", lambda c: dict(bwd_dq=L(64, 64, 4, 3, c.bwd_dq.blocks_fastest, True))),
           ("dq 64x128 w8 s2 TMA", lambda c: dict(bwd_dq=L(64, 128, 8, 2, c.bwd_dq.blocks_fastest, True))),
           ("atomic dQ", lambda c: dict(atomic_dq=True)),
-          ("dkdv dp first", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, dp_first=True))),  # round 16
+          ("dkdv dp first", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, dp_first=True))),
           ("dkdv dp last", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, dp_first=False))),
-          # round 16: one-warpgroup tiles (two blocks per SM, so no CTA barrier ties their warpgroups together)
+          # one-warpgroup tiles (two blocks per SM, so no CTA barrier ties their warpgroups together)
           ("dkdv 32x64 w4 s3 TMA dp first", lambda c: dict(bwd_dkdv=L(32, 64, 4, 3, c.bwd_dkdv.blocks_fastest, True,
                                                                        dp_first=True))),
           ("dkdv 64x64 w4 s3 TMA dp first", lambda c: dict(bwd_dkdv=L(64, 64, 4, 3, c.bwd_dkdv.blocks_fastest, True,
@@ -82,10 +74,8 @@ BWD = {
           ("current, again", lambda c: {})],  # drift within the run
 }
 
-# Round 9 (--dropout P): attention dropout at d128, whose tiles were never tuned on their own. The forward draws
-# the keep bits with ALU work that the matmuls do not hide; the backward draws them twice (dK/dV and dQ kernels),
-# once with atomic dQ. Round 15: the keep bits no longer pass through shared memory (v17), so the unmasked
-# forward's 128-wide key tile (round 1's pick without dropout) is back in the grid.
+# --dropout P: attention dropout at d128. The forward draws the keep bits with ALU work that the matmuls do not
+# hide; the backward draws them in dK/dV and again in the dQ pass, or once with atomic dQ.
 DROPOUT_FWD = [
     ("current", lambda c: {}),
     ("fwd 128x128 w8 s2", lambda c: dict(fwd=replace(c.fwd, block_n=128, num_warps=8, num_stages=2))),
@@ -95,7 +85,7 @@ DROPOUT_FWD = [
 ]
 DROPOUT_BWD = [
     ("current", lambda c: {}),
-    # round 20: the Gluon dQ pass draws dropout too
+    # the Gluon dQ pass draws dropout too
     ("separate Gluon dQ", lambda c: dict(atomic_dq=False, gluon_dq=True)),
     ("separate Triton dQ", lambda c: dict(atomic_dq=False, gluon_dq=False)),
     ("atomic dQ", lambda c: dict(atomic_dq=True)),
@@ -139,7 +129,7 @@ def main():
     parser.add_argument("--kv-heads", type=int, default=None, help="K/V heads (default: --heads)")
     parser.add_argument("--batch", type=int, default=None, help="default 16384 / seqlen")
     parser.add_argument("--masks", default="causal,full")
-    parser.add_argument("--dropout", type=float, default=0.0, help="dropout_p: time round 9's dropout grid at d128")
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout_p: time the dropout grid at d128")
     parser.add_argument("--skip-bwd", action="store_true", help="time the forward grid only")
     parser.add_argument("--match", default="", help="regular expression: only the grid entries whose name it finds")
     args = parser.parse_args()

@@ -34,17 +34,17 @@ VARIANTS = [
     ("dq pointers", lambda c: dict(bwd_dq=replace(c.bwd_dq, tma=False))),
     ("dkdv 32x128 w8 s3", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_m=32, block_n=128, num_warps=8))),
     ("dkdv 64x128 w8 s3", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_m=64, block_n=128, num_warps=8))),
-    # round 21: narrower key blocks (less causal waste on the diagonal of short documents), one warpgroup
+    # narrower key blocks (less causal waste on the diagonal of short documents), one warpgroup
     ("dkdv 64x64 w4 s3", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_m=64, block_n=64, num_warps=4))),
     ("dkdv 32x64 w4 s3", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_m=32, block_n=64, num_warps=4))),
     ("dkdv 32x64 w8 s3", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_m=32, block_n=64, num_warps=8))),
     ("dq 64x64 w4 s3", lambda c: dict(bwd_dq=replace(c.bwd_dq, block_m=64, block_n=64, num_warps=4))),
     ("dq 128x32 w8 s3", lambda c: dict(bwd_dq=replace(c.bwd_dq, block_n=32))),
-    # round 23: the padded recipe's batches (four documents, most of 4096 tokens) are long rows
+    # the padded recipe's batches (four documents, most of 4096 tokens) are long rows
     ("fwd 128x128 w8 s2", lambda c: dict(fwd=replace(c.fwd, block_m=128, block_n=128, num_warps=8, num_stages=2))),
     ("dkdv 64x128 w8 s2", lambda c: dict(bwd_dkdv=replace(c.bwd_dkdv, block_m=64, block_n=128, num_warps=8,
                                                            num_stages=2))),
-    # round 24: 256 queries per forward program (on dense unmasked d128 rows the Triton forward gained 6% with it)
+    # 256 queries per forward program (on dense unmasked d128 rows the Triton forward gained 6% with it)
     ("fwd 256x64 w8 s3", lambda c: dict(fwd=replace(c.fwd, block_m=256, block_n=64, num_warps=8, num_stages=3))),
     ("fwd 256x64 w16 s3", lambda c: dict(fwd=replace(c.fwd, block_m=256, block_n=64, num_warps=16, num_stages=3))),
     ("current, again", lambda c: {}),

@@ -33,13 +33,13 @@ GRID = [
     (3, 777, 777, 4, 4, 64, {"dropout_p": 0.1, "causal": True}),
     (2, 1024, 1024, 8, 2, 128, {"dropout_p": 0.1}),  # unmasked d128 dropout: its own forward tile (shared memory)
     (1, 1000, 1531, 4, 4, 96, {"dropout_p": 0.2, "window_size": (255, 64)}),
-    # ragged d128 rows: bounds masks on the edge blocks only (v28), the 64 x 128 dK/dV tile, pointer dQ
+    # ragged d128 rows: bounds masks on the edge blocks only, the 64 x 128 dK/dV tile, pointer dQ
     (2, 1000, 1000, 4, 4, 128, {"causal": True}),
     (2, 1000, 1000, 4, 4, 128, {"dropout_p": 0.1, "causal": True}),  # atomic dQ
-    # round 23 tiles on ragged rows: GQA d128 dK/dV on 32 x 64 (w4), d64 dQ on 64 x 64
+    # the ragged-row tiles: GQA d128 dK/dV on 32 x 64 (w4), d64 dQ on 64 x 64
     (2, 1000, 1000, 8, 2, 128, {"causal": True}),
     (2, 1000, 1000, 8, 2, 64, {"causal": True}),
-    # round 28 (v36, v39): d64 rows past 1024 queries, GQA and not: the three-warpgroup Gluon forward over blocks of
+    # d64 rows past 1024 queries, GQA and not: the three-warpgroup Gluon forward over blocks of
     # 192 (the last one past the rows), dK/dV by the Triton kernel with GQA and by the Gluon one without
     (2, 2048, 2048, 6, 2, 64, {"causal": True}),
     (1, 2048, 2048, 4, 4, 64, {"causal": True}),
@@ -277,7 +277,7 @@ def _check_gluon_case(case, dtype, monkeypatch, make_slopes=None, **options):
 ], ids=_gluon_id)
 def test_gluon_dkdv_kv_forms_match_triton_bitwise_bf16(case, register_kv, monkeypatch):
     # The Gluon dK/dV with K and V in registers or read from shared memory (sm90_dkdv.register_kv picks one per
-    # head dim; round 29 found two miscompiled register forms under the causal mask, NOTES.md v40, v41): both
+    # head dim; two register forms once miscompiled under the causal mask, docs/tuning.md): both
     # accumulate the Triton kernel's products in its order, so dK and dV are bit-identical to it, and within the
     # float64 bar.
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order = case
@@ -367,7 +367,7 @@ def test_fused_dq_where_keys_are_long_unless_deterministic_bf16(causal, monkeypa
 def test_gluon_dq_dropout_matches_float64_bf16(case, monkeypatch):
     # The Gluon dQ draws common.dropout_keep's bits in the wgmma accumulator layout (sm90_dq.dropout_keep_acc):
     # the pattern that the separate dropout_mask kernel writes must be the one it applied. The forward and dK/dV with
-    # dropout are the Gluon ones at head dim 128 (v54, v51), the Triton ones at 64.
+    # dropout are the Gluon ones at head dim 128, the Triton ones at 64.
     _check_gluon_dq_dropout(case, monkeypatch)
 
 

@@ -172,7 +172,7 @@ def test_forward_and_backward_pick_settings_by_query_length(configs_for_calls, m
 
 
 def test_atomic_dq_only_for_masked_d128_dropout_without_gqa():
-    # round 15 (config.py): atomic dQ won only there; GQA, no mask or no dropout keep the deterministic dQ pass
+    # config.py: atomic dQ won only there; GQA, no mask or no dropout keep the deterministic dQ pass
     def atomic(masked=True, dropout=True, grouped=False, headdim=128):
         return kernel_config.configs_for(headdim, True, masked=masked, dropout=dropout, aligned=True,
                                          grouped=grouped).atomic_dq
@@ -184,7 +184,7 @@ def test_atomic_dq_only_for_masked_d128_dropout_without_gqa():
 
 
 def test_fused_dq_only_for_d128_rows_with_long_keys():
-    # round 32 (config.py, NOTES.md v47): the Gluon dK/dV's fused dQ won where a query sees LONG_KEYS keys or more
+    # config.py (docs/tuning.md): the Gluon dK/dV's fused dQ won where a query sees LONG_KEYS keys or more
     # on average, with or without a mask or GQA; never at other head dims or in the interpreter
     def fused(headdim=128, is_cuda=True, long_keys=True, **flags):
         return kernel_config.configs_for(headdim, is_cuda, aligned=True, long_keys=long_keys, **flags).fused_dq
@@ -279,7 +279,7 @@ def test_ops_tell_config_whether_keys_are_long(configs_for_calls, monkeypatch):
 
 
 def test_dp_first_only_for_unmasked_d128_without_dropout():
-    # round 16 (config.py): dP first won only with the one-warpgroup unmasked d128 tile on dense rows; it lost with
+    # config.py: dP first won only with the one-warpgroup unmasked d128 tile on dense rows; it lost with
     # dropout and spilled in the masked 64 x 128 tile
     def dp_first(masked=False, dropout=False, headdim=128, aligned=True):
         return kernel_config.configs_for(headdim, True, masked=masked, dropout=dropout,

@@ -63,7 +63,7 @@ def check_traces(out: Path, implementations: list[str], world: int) -> list[dict
 
 
 def test_train_two_cpu_ranks(tmp_path):
-    """configs/accelerate/cpu_ddp2.yaml: DDP over 2 CPU processes (the path of issue 44's AttributeError), with the
+    """configs/accelerate/cpu_ddp2.yaml: DDP over 2 CPU processes (the path where the wrapped model's attributes were once read), with the
     first measured step traced (and so left out of the figures)."""
     out = tmp_path / "run"
     args = [*TINY, "--implementations", "eager,sdpa,fpatch", "--profile_step", "2", "--output_dir", str(out)]
@@ -129,7 +129,7 @@ def test_rounds_rotate_the_order():
     assert [o[0] for o in ranking.orders(["a", "b", "c"], 3)] == ["a", "b", "c"]
 
 
-# --- 2 GPUs: run by scripts/gpu_suite.sh on a 2-GPU machine ---------------------------------------------------------
+# --- 2 GPUs: run by tools/gpu_suite.sh on a 2-GPU machine ---------------------------------------------------------
 
 SMALL_GPU = [  # a small bf16 Llama: seconds per implementation, flex_attention's compile aside
     "--config", str(REPO / "configs" / "llama_125m.yaml"), "--hidden_size", "256", "--num_layers", "4",

@@ -8,6 +8,7 @@ the GPU build's (checked for Triton 3.6 and 3.9); the GPU tests still have the l
 """
 
 import argparse
+import dataclasses
 import itertools
 import os
 import sys
@@ -24,6 +25,7 @@ from flashpatch.kernels import config as kernel_config  # noqa: E402
 from flashpatch.kernels.triton.backward import (  # noqa: E402
     attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel)
 from flashpatch.kernels.triton.forward import attn_fwd_kernel  # noqa: E402
+from flashpatch.ops import block_d  # noqa: E402
 
 
 def signature(fn, dtype, constexprs):
@@ -55,7 +57,7 @@ def launch_hints(fn, constexprs):
     16 (contiguous rows of head dims that are multiples of 16), except the arguments the kernel asks it not to
     specialize. Without these hints Triton cannot vectorize the tile loads into cp.async copies, does not pipeline
     them, and reports a fraction of the shared memory the GPU build needs (the d128 dropout forward with 128-wide
-    key tiles: 65,536 bytes without, 229,376 with, as on the GPU; NOTES.md v4 and v18)."""
+    key tiles: 65,536 bytes without, 229,376 with, as on the GPU)."""
     skip = {fn.arg_names[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize", ())}
     return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
             if name not in constexprs and name not in skip and (name.isupper() or name.startswith("stride_"))}
@@ -64,7 +66,7 @@ def launch_hints(fn, constexprs):
 def feature_constexprs(headdim, varlen=False, left=False, right=False, softcap=False, dropout=False, alibi=False):
     """The feature flags every attention kernel takes (ops._common_flags at a launch), for 16-bit inputs."""
     return dict(IS_VARLEN=varlen, HAS_LEFT=left, HAS_RIGHT=right, SOFTCAP=softcap, ALIBI=alibi, DROPOUT=dropout,
-                DOT_PRECISION="tf32", HEADDIM=headdim, BLOCK_D=triton.next_power_of_2(headdim))
+                DOT_PRECISION="tf32", HEADDIM=headdim, BLOCK_D=block_d(headdim))
 
 
 def launch_constexprs(fn, cfg, even, even_interior=True):
@@ -94,8 +96,27 @@ def compile_one(fn, dtype, constexprs, arch, num_warps=4, num_stages=2):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--dropout-headdims", default="32,40,64,80,96,128,160,192,224,256",
+                        help="head dims of the dropout grid (every head dim flash-attn takes); '' skips it")
     args = parser.parse_args()
     n = 0
+    # Dropout at every head dim, causal or not, fp16 and bf16, at a training length of 1024 (short) and beyond, the
+    # backward with and without atomic dQ: the grid of tests/test_gpu_headdims.py, where ptxas once crashed.
+    headdims = [int(d) for d in args.dropout_headdims.split(",") if d]
+    for headdim, dtype, causal, short, varlen in itertools.product(headdims, ["fp16", "bf16"], [False, True],
+                                                                   [True, False], [False, True]):
+        aligned = not varlen and headdim == block_d(headdim)
+        cfgs = kernel_config.configs_for(headdim, True, masked=causal, dropout=True, aligned=aligned, short=short)
+        flags = feature_constexprs(headdim, varlen, right=causal, dropout=True)
+        atomic = [False, True] if cfgs.atomic_dq else [False]  # deterministic=True keeps the dQ pass
+        for fn, cfg, extra in ((attn_fwd_kernel, cfgs.fwd, {}), (attn_bwd_dq_kernel, cfgs.bwd_dq, {}),
+                               *((attn_bwd_dkdv_kernel, cfgs.bwd_dkdv, {"ATOMIC_DQ": a}) for a in atomic)):
+            if headdim != block_d(headdim):  # ops.tma_usable: descriptors only where the head dim fills its tile
+                cfg = dataclasses.replace(cfg, tma=False)
+            compile_one(fn, dtype, {**flags, **extra, **launch_constexprs(fn, cfg, even=aligned,
+                                                                          even_interior=headdim == block_d(headdim))},
+                        args.arch, cfg.num_warps, cfg.num_stages)
+            n += 1
     # The launch configurations flashpatch really uses (kernels/config.py), for each feature combination; ALiBi
     # (its own loop: a bias added to the scores, orthogonal to softcap) in bf16 only.
     plain = itertools.product([("fp16", 128), ("bf16", 128), ("bf16", 64)], [False, True], [False, True],

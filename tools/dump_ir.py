@@ -5,7 +5,7 @@ pipelined loads, which matmuls are waited for at once, and (with the bundled ptx
     PYTHONPATH=/tmp/t36 python tools/dump_ir.py fwd ...   # Triton 3.6, the GPU's: pip install --target /tmp/t36
 
 The TTGIR and PTX go to --out (default runs/ir/). Kernels compile with the alignment hints of a real launch
-(compile_check.launch_hints), without which Triton pipelines no load (NOTES.md v18). Compare register counts
+(compile_check.launch_hints), without which Triton pipelines no load. Compare register counts
 between variants only: the GPU build reported fewer (the d128 causal forward: 182 there, 225 here).
 """
 
