@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -89,11 +90,12 @@ def window_pair(window_size) -> tuple[int, int]:
         raise ValueError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
     pair = []
     for w in window_size:
-        if isinstance(w, torch.Tensor) and w.numel() == 1 and not w.is_floating_point():
-            w = w.item()
-        if isinstance(w, bool) or not isinstance(w, int):
-            raise ValueError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
-        pair.append(int(w))
+        try:  # ints, NumPy integers and one-element integer tensors; floats and bools are refused
+            if isinstance(w, bool):
+                raise TypeError
+            pair.append(operator.index(w))
+        except TypeError:
+            raise ValueError(f"window_size must be a (left, right) pair of ints, got {window_size!r}") from None
     left, right = pair
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded, got {tuple(pair)}")

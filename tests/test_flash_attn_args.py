@@ -1,6 +1,7 @@
 """Arguments that code written for flash-attn 2 passes: window_size in any pair form, a right window under causal,
 any head dim from 1 to 256, unpad_input's unused_mask, return_attn_probs' layout."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,8 +11,8 @@ from tests.helpers import check_against_reference, random_qkv
 
 
 @pytest.mark.parametrize("window", [[5, 2], torch.tensor([5, 2]), torch.tensor([5, 2], dtype=torch.int32),
-                                    (torch.tensor(5), torch.tensor(2))],
-                         ids=["list", "tensor-int64", "tensor-int32", "tuple-of-scalars"])
+                                    (torch.tensor(5), torch.tensor(2)), (np.int64(5), np.int32(2))],
+                         ids=["list", "tensor-int64", "tensor-int32", "tuple-of-scalars", "numpy-ints"])
 def test_window_size_forms_equal_the_tuple(window):
     q, k, v = random_qkv(1, 17, 23, 2, 1, 16, torch.float32, requires_grad=False)
     expected = flashpatch.flash_attn_func(q, k, v, window_size=(5, 2))
