@@ -7,6 +7,7 @@ forward of gradient checkpointing are not counted: an implementation that wastes
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
@@ -179,3 +180,25 @@ class StepTrace:
         if exc[0] is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._profile.export_chrome_trace(str(self.path))
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the GPU, so that a host clock around it times the device's work too."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_step(step, device: torch.device, gc_pauses: "GcPauses", compiles: "TritonCompiles",
+               trace=contextlib.nullcontext()):
+    """step() between two device syncs, with the GC pauses and Triton compiles inside it counted (and `trace`, a
+    StepTrace, around it). Returns (step's result, seconds, GC ms, full collections, Triton compiles)."""
+    sync(device)
+    gc_pauses.take()
+    compiles.take()
+    with gc_pauses, compiles, trace:
+        start = time.perf_counter()
+        result = step()
+        sync(device)
+        elapsed = time.perf_counter() - start
+    gc_ms, gc_full = gc_pauses.take()
+    return result, elapsed, gc_ms, gc_full, compiles.take()

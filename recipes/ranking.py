@@ -17,7 +17,6 @@ optimizer state.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
@@ -30,11 +29,6 @@ def orders(implementations: list[str], rounds: int) -> list[list[str]]:
     """Round r runs the implementations rotated by r: each takes every position equally often over len() rounds."""
     n = len(implementations)
     return [implementations[r % n:] + implementations[: r % n] for r in range(rounds)] if n else []
-
-
-def _sync(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def switch_implementation(model, impl: str) -> None:
@@ -94,16 +88,9 @@ def compare(cfg, accelerator, batches, tokenizer, skip_reasons: dict, build_trai
             torch.cuda.reset_peak_memory_stats(device)
         for k, batch in enumerate(turn_batches):
             batch_dev = device_inputs(impl, cfg, batch, device)
-            _sync(device)
-            gc_pauses.take()
-            compiles.take()
-            with gc_pauses, compiles:
-                start = time.perf_counter()
-                loss = train_step(model, optimizer, scheduler, accelerator, cfg, batch_dev)
-                _sync(device)
-                elapsed = time.perf_counter() - start
-            step_gc_ms, _ = gc_pauses.take()
-            step_compiles = compiles.take()
+            loss, elapsed, step_gc_ms, _, step_compiles = measure.timed_step(
+                lambda: train_step(model, optimizer, scheduler, accelerator, cfg, batch_dev), device, gc_pauses,
+                compiles)
             per[impl]["losses"].append(accelerator.reduce(loss.detach().float(), reduction="mean").item())
             per[impl]["rss"] = max(per[impl]["rss"], measure.rss_gib() or 0.0)
             if round_index is not None:

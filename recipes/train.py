@@ -21,7 +21,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -128,11 +127,6 @@ def build_model(cfg: TrainConfig, attn: str, tokenizer, device: torch.device):
         return AutoModelForCausalLM.from_config(config, attn_implementation=attn)
 
 
-def _sync(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def build_training(impl: str, cfg: TrainConfig, accelerator, tokenizer):
     """(model, optimizer, scheduler) for one implementation, prepared by accelerate and in train mode."""
     model = build_model(cfg, "fpatch" if impl.startswith("fpatch") else impl, tokenizer, accelerator.device)
@@ -202,16 +196,9 @@ def train_one(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer) -> d
         traced = step + 1 == cfg.profile_step
         trace = measure.StepTrace(trace_path(cfg, impl, accelerator.process_index), device) if traced else \
             contextlib.nullcontext()
-        _sync(device)
-        gc_pauses.take()
-        compiles.take()
-        with gc_pauses, compiles, trace:
-            start = time.perf_counter()
-            loss = train_step(model, optimizer, scheduler, accelerator, cfg, batch_dev)
-            _sync(device)
-            elapsed = time.perf_counter() - start
-        step_gc_ms, step_gc_full = gc_pauses.take()
-        step_compiles = compiles.take()
+        loss, elapsed, step_gc_ms, step_gc_full, step_compiles = measure.timed_step(
+            lambda: train_step(model, optimizer, scheduler, accelerator, cfg, batch_dev), device, gc_pauses, compiles,
+            trace)
 
         mean_loss = accelerator.reduce(loss.detach().float(), reduction="mean").item()  # the curve: mean over ranks
         raw["losses"].append(mean_loss)
