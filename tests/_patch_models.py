@@ -86,6 +86,15 @@ def build(name: str, attn: str = "eager", seed: int = 0, dtype=torch.float32):
     return model.to(dtype).eval()
 
 
+def lora_qwen2(peft):
+    """A Qwen2 model with LoRA adapters on q_proj and v_proj whose B matrices are not zero, so the adapters matter."""
+    model = peft.get_peft_model(build("qwen2"), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)  # LoRA starts at B = 0
+    return model
+
+
 ORACLE = "fp64_oracle"
 
 

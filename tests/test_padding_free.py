@@ -19,7 +19,7 @@ import flashpatch
 from flashpatch.integrations import hf_padding_free as pf
 from flashpatch.integrations import transformers as fp_hf
 
-from ._patch_models import DECODERS, ENCODERS, SEQ, VOCAB, as_float64, build
+from ._patch_models import DECODERS, ENCODERS, SEQ, VOCAB, as_float64, build, lora_qwen2
 from .test_patch import assert_as_accurate_as_eager, compare_runs, forward_backward
 
 pytestmark = pytest.mark.skipif(
@@ -259,11 +259,8 @@ def test_gradient_checkpointing():
 
 def test_peft_lora():
     peft = pytest.importorskip("peft", reason="peft is not installed (optional: pip install peft)")
-    base = build("qwen2")
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.02)  # LoRA starts at B = 0; make the adapters matter
+    model = lora_qwen2(peft)
+    base = model.get_base_model()
     exact_model = as_float64(model)
     batch = batch_of(LENGTHS, "left", seed=11)
     eager, exact = forward_backward(model, batch), forward_backward(exact_model, batch)
