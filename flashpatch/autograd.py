@@ -43,11 +43,14 @@ class FlashAttnFunction(torch.autograd.Function):
         ctx.args = args
         ctx.deterministic = deterministic
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zero-filled gradients made for lse and seed_offset
         return out, lse, seed_offset
 
     @staticmethod
     def backward(ctx, dout, _dlse, _dseed):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed_offset, alibi_slopes = ctx.saved_tensors
+        if dout is None:  # out took no part in the loss (gradients are not materialized)
+            return (None,) * 10
         args = ctx.args
         attn_bwd = (ops.attn_bwd_impl if _eager(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
                     else torch.ops.flashpatch.attn_bwd)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from typing import Optional
 
 import torch
@@ -21,6 +22,7 @@ import triton
 from flashpatch.kernels import config as kernel_config
 from flashpatch.kernels import options as kernel_options
 from flashpatch.kernels import sm90
+from flashpatch.kernels.launch import cdiv, launch, next_power_of_2
 from flashpatch.kernels.triton.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from flashpatch.kernels.triton.common import alibi_batch_stride
 from flashpatch.kernels.triton.dropout import dropout_mask_kernel
@@ -93,7 +95,7 @@ def _tma_supported(device: torch.device) -> bool:
 def block_d(headdim: int) -> int:
     """The kernels' head-dim tile: the next power of two, at least 16 (tl.dot's smallest K); columns past headdim
     are masked on load and store, never copied."""
-    return max(16, triton.next_power_of_2(headdim))
+    return max(16, next_power_of_2(headdim))
 
 
 def tma_usable(headdim: int, *tensors: torch.Tensor) -> bool:
@@ -115,11 +117,22 @@ def _descriptor_scratch(size: int, alignment: int, stream: Optional[int]) -> tor
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-@functools.lru_cache(maxsize=None)
-def _dkdv_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream of KernelConfigs.concurrent_dq, one per device, at the highest priority CUDA offers."""
-    highest = torch.cuda.Stream.priority_range()[1]
-    return torch.cuda.Stream(device=device, priority=highest)
+_side_streams = threading.local()
+
+
+def _side_stream(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Event, torch.cuda.Event]:
+    """(stream, fork event, join event) of KernelConfigs.concurrent_dq for `device`: the stream at the highest priority
+    CUDA offers, and two events reused by every call (a wait takes the record before it). Per thread, so that two
+    threads' backwards never wait on each other's records."""
+    per_device = getattr(_side_streams, "per_device", None)
+    if per_device is None:
+        per_device = _side_streams.per_device = {}
+    entry = per_device.get(device)
+    if entry is None:
+        highest = torch.cuda.Stream.priority_range()[1]
+        entry = per_device[device] = (torch.cuda.Stream(device=device, priority=highest), torch.cuda.Event(),
+                                      torch.cuda.Event())
+    return entry
 
 
 def _ensure_allocator() -> None:
@@ -194,7 +207,7 @@ def _launch_grid(heads: int, block: int, blocks_fastest: bool, cu_seqlens: Optio
     queries: the forward and dQ, heaviest_first; of keys: dK/dV). A varlen grid too long for the second axis of
     a 2-D grid becomes a 1-D one (triton.common.head_and_block: a head's blocks side by side)."""
     if cu_seqlens is None:
-        return _grid(batch * heads, triton.cdiv(max_seqlen, block), blocks_fastest), None, blocks_fastest
+        return _grid(batch * heads, cdiv(max_seqlen, block), blocks_fastest), None, blocks_fastest
     if not blocks_fastest and _varlen_grid_blocks(cu_seqlens, rows, block) > _MAX_GRID_Y:
         blocks_fastest = True
     blocks = varlen_blocks(cu_seqlens, rows, block, heaviest_first, opts.varlen_longest_first)
@@ -208,7 +221,7 @@ def _head_group(cfg: kernel_config.LaunchConfig, varlen: bool, window_left: int,
     if not cfg.blocks_fastest:
         return 1  # unused: a 2-D grid
     causal = not varlen and window_left < 0 and window_right == 0
-    return kernel_config.head_group(causal, triton.cdiv(max_seqlen, cfg.block_n if by_keys else cfg.block_m),
+    return kernel_config.head_group(causal, cdiv(max_seqlen, cfg.block_n if by_keys else cfg.block_m),
                                     device, opts.head_group)
 
 
@@ -323,7 +336,8 @@ def attn_fwd_impl(
     qk_scale, cap_log2 = _scales(softmax_scale, softcap)
     grid, blocks, blocks_fastest = _launch_grid(nheads, cfg.block_m, cfg.blocks_fastest, cu_seqlens_q, q.shape[0],
                                                 batch, max_seqlen_q, heaviest_first=True, opts=opts)
-    attn_fwd_kernel[grid](
+    launch(
+        attn_fwd_kernel, grid,
         q, k, v, out, lse, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes,
         *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen), *_seq_strides(out, varlen),
         *_lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes),
@@ -336,7 +350,7 @@ def attn_fwd_impl(
         EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, cfg.block_n),
         EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim),
         FOLD=cfgs.fold_scale,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, cached_launch=opts.cached_launch,
     )
     return out, lse
 
@@ -398,11 +412,12 @@ def attn_bwd_impl(
 
     delta = torch.empty_like(lse)
     pre = cfgs.bwd_dq
-    attn_bwd_preprocess_kernel[(batch * nheads, triton.cdiv(max_seqlen_q, pre.block_m))](
+    launch(
+        attn_bwd_preprocess_kernel, (batch * nheads, cdiv(max_seqlen_q, pre.block_m)),
         out, dout, delta, cu_seqlens_q,
         *_seq_strides(out, varlen), *_seq_strides(dout, varlen), *_lse_strides(lse, varlen),
         nheads, max_seqlen_q,
-        HEADDIM=headdim, BLOCK_D=tile_d, BLOCK_M=pre.block_m, IS_VARLEN=varlen,
+        HEADDIM=headdim, BLOCK_D=tile_d, BLOCK_M=pre.block_m, IS_VARLEN=varlen, cached_launch=opts.cached_launch,
     )
 
     # The Gluon Hopper kernels take the calls in their scope (sm90.common.sm90_dense_ok), the Triton ones the rest
@@ -419,12 +434,12 @@ def attn_bwd_impl(
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else dq
     causal = window_right == 0
 
-    def launch_dkdv():
+    def launch_dkdv(stream: Optional[int] = None):  # stream: a raw CUDA stream handle, None for the current one
         # with atomic dQ, the Gluon dK/dV only where it adds dQ itself (sm90_dkdv.fuses_dq)
         if gluon_dkdv and (not atomic_dq or fuses_dq):
             sm90_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal,
                                       alibi_slopes, dq_accum=dq_accum if atomic_dq else None,
-                                      seed_offset=seed_offset, dropout_p=dropout_p, options=opts)
+                                      seed_offset=seed_offset, dropout_p=dropout_p, options=opts, stream=stream)
         else:
             c = cfgs.bwd_dkdv
             tma_dkdv = c.tma and tma_usable(headdim, q, k, v, dout, dq_accum, dk, dv)
@@ -433,7 +448,8 @@ def attn_bwd_impl(
             grid, blocks, blocks_fastest = _launch_grid(nheads_k, c.block_n, c.blocks_fastest, cu_seqlens_k,
                                                         k.shape[0], batch, max_seqlen_k, heaviest_first=False,
                                                         opts=opts)
-            attn_bwd_dkdv_kernel[grid](
+            launch(
+                attn_bwd_dkdv_kernel, grid,
                 q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks,
                 alibi_slopes,
                 *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
@@ -447,7 +463,7 @@ def attn_bwd_impl(
                                        by_keys=True),
                 EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_q, c.block_m),
                 EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim), DP_FIRST=c.dp_first, **flags,
-                num_warps=c.num_warps, num_stages=c.num_stages,
+                num_warps=c.num_warps, num_stages=c.num_stages, cached_launch=opts.cached_launch, on_stream=stream,
             )
 
     concurrent = cfgs.concurrent_dq and not atomic_dq and q.is_cuda
@@ -467,7 +483,8 @@ def attn_bwd_impl(
             grid, blocks, blocks_fastest = _launch_grid(nheads, c.block_m, c.blocks_fastest, cu_seqlens_q,
                                                         q.shape[0], batch, max_seqlen_q, heaviest_first=True,
                                                         opts=opts)
-            attn_bwd_dq_kernel[grid](
+            launch(
+                attn_bwd_dq_kernel, grid,
                 q, k, v, dout, lse, delta, dq, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes,
                 *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
                 *_seq_strides(dout, varlen), *_seq_strides(dq, varlen), *_lse_strides(lse, varlen),
@@ -480,7 +497,7 @@ def attn_bwd_impl(
                 EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, c.block_n),
                 EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim),
                 **flags,
-                num_warps=c.num_warps, num_stages=c.num_stages,
+                num_warps=c.num_warps, num_stages=c.num_stages, cached_launch=opts.cached_launch,
             )
 
     if concurrent:
@@ -488,13 +505,13 @@ def attn_bwd_impl(
         # last wave leaves; the caller's stream waits for both. Every tensor either kernel touches was made on the
         # caller's stream before the fork and is released only after the join, so the allocator needs no
         # record_stream.
-        caller = torch.cuda.current_stream(q.device)
-        side = _dkdv_stream(q.device)
-        side.wait_stream(caller)
-        with torch.cuda.stream(side):
-            launch_dkdv()
+        side, fork, join = _side_stream(q.device)
+        fork.record()  # on the caller's (current) stream
+        side.wait_event(fork)
+        launch_dkdv(side.cuda_stream)
         launch_dq()
-        caller.wait_stream(side)
+        join.record(side)
+        join.wait()  # the caller's stream waits for dK/dV
     else:
         launch_dkdv()
         launch_dq()
@@ -521,7 +538,7 @@ def dropout_pattern(
     out = torch.empty(batch, nheads, max_seqlen_q, max_seqlen_k, dtype=torch.float32, device=seed_offset.device)
     if out.numel():
         block = 32
-        grid = (triton.cdiv(max_seqlen_q, block), triton.cdiv(max_seqlen_k, block), batch * nheads)
+        grid = (cdiv(max_seqlen_q, block), cdiv(max_seqlen_k, block), batch * nheads)
         dropout_mask_kernel[grid](out, seed_offset, nheads, max_seqlen_q, max_seqlen_k, dropout_p,
                                   BLOCK_M=block, BLOCK_N=block)
     return out

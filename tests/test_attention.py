@@ -50,7 +50,7 @@ def test_matches_float64_reference(case):
 @pytest.mark.parametrize("strategy", [{"atomic_dq": False}, {"atomic_dq": True}, {"concurrent_dq": True}], ids=str)
 def test_dq_strategies_agree_with_reference(strategy, monkeypatch):
     # concurrent_dq forks a CUDA side stream for dK/dV; CPU tensors (the interpreter) run dK/dV and dQ in turn
-    monkeypatch.setattr(ops, "_dkdv_stream", lambda device: pytest.fail("side stream requested for a CPU call"))
+    monkeypatch.setattr(ops, "_side_stream", lambda device: pytest.fail("side stream requested for a CPU call"))
     q, k, v = random_qkv(2, 45, 77, 4, 2, 32, torch.float32)
     with kernel_options.override(**strategy):
         out = flashpatch.flash_attn_func(q, k, v, causal=True)

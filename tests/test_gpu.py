@@ -568,8 +568,8 @@ def test_concurrent_dq_matches_serial(case, monkeypatch):
     from flashpatch import ops
 
     used = []
-    monkeypatch.setattr(ops, "_dkdv_stream",
-                        lambda device, _make=ops._dkdv_stream: used.append(device) or _make(device))
+    monkeypatch.setattr(ops, "_side_stream",
+                        lambda device, _make=ops._side_stream: used.append(device) or _make(device))
     torch.manual_seed(0)
     kwargs = {key: value for key, value in case.items() if key not in ("shape", "lengths")}
     if "lengths" in case:

@@ -537,3 +537,35 @@ def test_options_config_fields_reach_the_launch_settings():
     cfgs = ops._launch_configs(q, k, False, 17, 17, -1, -1, 0.0, forced)
     assert cfgs.atomic_dq != measured.atomic_dq and cfgs.fwd == LaunchConfig(16, 16)
     assert cfgs.bwd_dq == measured.bwd_dq
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 16, 17, 127, 128, 129, 1000])
+def test_host_integer_helpers_match_tritons(n):
+    import triton
+
+    from flashpatch.kernels.launch import cdiv, next_power_of_2
+
+    assert next_power_of_2(n) == triton.next_power_of_2(n)
+    for b in (1, 16, 128):
+        assert cdiv(n, b) == triton.cdiv(n, b)
+
+
+def test_launch_cache_key_tells_apart_what_triton_specializes_on():
+    # equal keys must mean the same compiled kernel: dtype and 16-byte alignment of tensors, integer values (1 and
+    # multiples of 16 are specialized), True against 1, the constexpr keywords; floats are not specialized
+    from flashpatch.kernels.launch import _signature_key
+
+    a = torch.empty(64, dtype=torch.float16)
+    key = lambda *args, **kw: _signature_key("kernel", 0, args, kw)  # noqa: E731
+    assert key(a, 16, 0.5, BLOCK=64) == key(torch.empty(64, dtype=torch.float16), 16, 0.25, BLOCK=64)
+    assert key(a, 16, 0.5, BLOCK=64) != key(a.to(torch.bfloat16), 16, 0.5, BLOCK=64)
+    assert key(a, 16, 0.5, BLOCK=64) != key(a, 17, 0.5, BLOCK=64)
+    assert key(a, 16, 0.5, BLOCK=64) != key(a, 16, 0.5, BLOCK=128)
+    assert key(a, 1, 0.5) != key(a, True, 0.5)
+    assert key(a, None) != key(a, a)
+    misaligned = torch.empty(65, dtype=torch.float16)[1:]
+    if misaligned.data_ptr() % 16:
+        assert key(a) != key(misaligned)
+    assert key(a, object()) is None  # an argument the key does not know: Triton's own path
+    assert key(a, BLOCK=[64]) is None  # an unhashable keyword value: the same
+    assert _signature_key("kernel", 0, (a,), {}) != _signature_key("kernel", 1, (a,), {})  # compiled per device

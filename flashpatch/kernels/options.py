@@ -46,6 +46,9 @@ class KernelOptions:
     head_group: int | None = None
     # A varlen grid's sequences longest first (ops.varlen_blocks), or with False in batch order.
     varlen_longest_first: bool = True
+    # Launches through launch.launch's cache of compiled kernels per argument signature (Triton's binder runs once
+    # per signature), or with False through Triton's own path every time.
+    cached_launch: bool = True
     # config.KernelConfigs fields set over config's pick in every call (override(atomic_dq=True, ...) fills it).
     config_fields: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 

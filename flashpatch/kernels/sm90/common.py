@@ -69,28 +69,42 @@ def sm90_dense_ok(*tensors: torch.Tensor, varlen: bool, window_left: int, window
     return all(rows_view(t) is not None and t.data_ptr() % 16 == 0 and t.numel() < 2**31 for t in tensors)
 
 
+def _descriptor(base: torch.Tensor, shape: list, strides: list, block: list, layout) -> TensorDescriptor:
+    """TensorDescriptor(base, shape, strides, block, layout) without its constructor's checks, which cost host time
+    at every launch: what they check holds for every call `sm90_dense_ok` accepts (a 16-byte aligned base with 16-byte
+    aligned strides, a unit last stride, power-of-two blocks, no empty dimension; the callers return before launching
+    on empty tensors)."""
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(base=base, shape=shape, strides=strides, block_shape=block, layout=layout, padding="zero")
+    return desc
+
+
 def descriptor(t: torch.Tensor, block_rows: int):
     """(TensorDescriptor of (block_rows, D) tiles, rows per (batch, head), columns per head) for `rows_view`'s view."""
     shape, strides, rows, cols = rows_view(t)
     layout = _shared_layout(block_rows, t.shape[-1], t.dtype == torch.float16)
-    return TensorDescriptor(t, shape, strides, [block_rows, t.shape[-1]], layout), rows, cols
+    return _descriptor(t, shape, strides, [block_rows, t.shape[-1]], layout), rows, cols
 
 
 def fp32_descriptor(t: torch.Tensor, block_rows: int):
     """`descriptor` for an fp32 (B, S, H, D) tensor (a dQ accumulator), in (block_rows, 32) tiles: 128 bytes wide,
     the widest box a 128-byte swizzle allows, as a TMA reduce is not split the way copies are."""
     shape, strides, rows, cols = rows_view(t)
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, 32], gl.float32)
-    return TensorDescriptor(t, shape, strides, [block_rows, 32], layout), rows, cols
+    return _descriptor(t, shape, strides, [block_rows, 32], _fp32_layout(block_rows)), rows, cols
 
 
 def vector_descriptor(t: torch.Tensor, block: int):
     """TensorDescriptor of `block`-element runs of an fp32 tensor's storage, seen as one vector from its first element
     (last dimension contiguous): the run of (b, h, m..) in a (B, H, S) tensor starts at b * stride(0) + h * stride(1)
-    + m. For the LSE and delta rows of a step."""
+    + m. For the LSE and delta rows of a step. The descriptor reads only its base's address and dtype, so the base is
+    `t` itself."""
     extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    layout = _vector_layout(block)
-    return TensorDescriptor(t.as_strided((extent,), (1,)), [extent], [1], [block], layout)
+    return _descriptor(t, [extent], [1], [block], _vector_layout(block))
+
+
+@functools.lru_cache(maxsize=None)
+def _fp32_layout(block_rows: int):
+    return gl.NVMMASharedLayout.get_default_for([block_rows, 32], gl.float32)
 
 
 @functools.lru_cache(maxsize=None)

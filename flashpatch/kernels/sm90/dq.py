@@ -17,13 +17,13 @@ query blocks, when dK/dV does not run beside it).
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from flashpatch.kernels.config import head_group, persistent_grid, sm_count
+from flashpatch.kernels.launch import cdiv, launch
 from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     alibi_bias, allocate_kv_ring, allocate_query_barriers, descriptor, dropout_seed_offset, head_slope_log2,
@@ -325,15 +325,15 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
     """dQ (written into dq, (B, Sq, H, D)) for a call `supported` accepted; lse, delta: (B, H, Sq) fp32;
     seed_offset: the forward's (2,) int64 (ops.draw_seed_offset) when dropout_p > 0; alibi_slopes: None or float32
     (H,) / (B, H); beside_dkdv: the dK/dV kernel runs at the same time on another stream (config.persistent_grid);
-    options: its persistent_dq and head_group."""
+    options: its persistent_dq, head_group and cached_launch."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     q_desc, q_rows, q_cols = descriptor(q, BLOCK_M)
     do_desc, do_rows, do_cols = descriptor(dout, BLOCK_M)
     k_desc, k_rows, k_cols = descriptor(k, BLOCK_N)
     v_desc, v_rows, v_cols = descriptor(v, BLOCK_N)
-    num_tiles = batch * nheads * triton.cdiv(seqlen_q, BLOCK_M)
-    num_m = triton.cdiv(seqlen_q, BLOCK_M)
+    num_tiles = batch * nheads * cdiv(seqlen_q, BLOCK_M)
+    num_m = cdiv(seqlen_q, BLOCK_M)
     order = head_group(causal, num_m, q.device, options.head_group)
     persistent = options.persistent_dq
     if persistent is None:
@@ -343,12 +343,12 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
         order = 0 if causal else order
     else:
         grid = (num_tiles,)
-    attn_bwd_dq_hopper_kernel[grid](
-        q_desc, do_desc, k_desc, v_desc, dq, lse, delta, seed_offset, alibi_slopes,
+    launch(
+        attn_bwd_dq_hopper_kernel, grid, q_desc, do_desc, k_desc, v_desc, dq, lse, delta, seed_offset, alibi_slopes,
         q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,
         dq.stride(0), dq.stride(1), dq.stride(2), lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
         num_tiles, nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HEAD_GROUP=order, DROPOUT=dropout_p > 0, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
-        num_warps=4, maxnreg=MAXNREG,
+        num_warps=4, maxnreg=MAXNREG, cached_launch=options.cached_launch,
     )

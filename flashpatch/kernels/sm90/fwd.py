@@ -36,13 +36,13 @@ backward, so that the Philox arithmetic runs beside the consumers' matmuls and s
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from flashpatch.kernels.config import head_group, persistent_grid, sm_count
+from flashpatch.kernels.launch import cdiv, launch
 from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     allocate_keep_ring, allocate_kv_ring, allocate_query_barriers, alibi_bias, carry_addend, carry_shift_in_ptx,
@@ -559,7 +559,7 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     config.KernelConfigs.fold_scale (`_softmax_update`, which ignores it with ALiBi). dropout_p > 0: head dim 128,
     the keep bits drawn from seed_offset (ops.draw_seed_offset's int64 (seed, offset)) at triton.common.dropout_keep's
     counters, on the grid of one program per query block (the persistent one has no drawers). options: its
-    persistent_fwd, causal_schedule and head_group."""
+    persistent_fwd, causal_schedule, head_group and cached_launch."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     dropout = dropout_p > 0
@@ -569,7 +569,7 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     if dropout:
         persistent = False
     elif options.persistent_fwd is None:
-        persistent = persistent_grid("fwd", triton.cdiv(seqlen_q, BLOCK_M), headdim)
+        persistent = persistent_grid("fwd", cdiv(seqlen_q, BLOCK_M), headdim)
     else:
         persistent = options.persistent_fwd
     consumers = 2 if persistent else CONSUMERS_BY_HEADDIM[headdim]
@@ -577,7 +577,7 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     q_desc, q_rows, q_cols = descriptor(q, BLOCK_M if consumers == 2 else HALF_M)  # the kernel's Q_TILES
     k_desc, k_rows, k_cols = descriptor(k, BLOCK_N)
     v_desc, v_rows, v_cols = descriptor(v, BLOCK_N)
-    num_m = triton.cdiv(seqlen_q, block_m)
+    num_m = cdiv(seqlen_q, block_m)
     num_tiles = batch * nheads * num_m
     order = head_group(causal, num_m, q.device, options.head_group)
     schedule, schedule_rounds = None, 0
@@ -597,13 +597,13 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
         maxnreg, consumer_regs, worker_regs = dropout_registers()
     else:  # the setmaxnreg counts of the non-dropout forms are in the kernel
         maxnreg, consumer_regs, worker_regs = (MAXNREG if consumers == 2 else MAXNREG_3), 0, 0
-    attn_fwd_hopper_kernel[grid](
-        q_desc, k_desc, v_desc, out, lse, alibi_slopes, seed_offset, schedule, q_rows, q_cols, k_rows, k_cols,
+    launch(
+        attn_fwd_hopper_kernel, grid, q_desc, k_desc, v_desc, out, lse, alibi_slopes, seed_offset, schedule, q_rows, q_cols, k_rows, k_cols,
         v_rows, v_cols, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         alibi_batch_stride(alibi_slopes), num_tiles, nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale,
         dropout_p, schedule_rounds,
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HEAD_GROUP=order, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
         FOLD=fold, CONSUMERS=consumers, DROPOUT=dropout, DRAWER_WARPS=DRAWER_WARPS, CONSUMER_REGS=consumer_regs,
-        WORKER_REGS=worker_regs, num_warps=4, maxnreg=maxnreg,
+        WORKER_REGS=worker_regs, num_warps=4, maxnreg=maxnreg, cached_launch=options.cached_launch,
     )
