@@ -1,9 +1,13 @@
 """Host (Python) time per call of flashpatch's launch path, piece by piece, at one shape: the time to enqueue
 each piece, measured with perf_counter over many calls while the GPU has work queued. GPU only.
 
-    python benchmarks/host_overhead.py [--shape 1b] [--launch-profile]
+    python benchmarks/host_overhead.py [--shape 1b] [--launch-profile] [--call-profile]
 
 --launch-profile: cProfile of one Gluon launch (sm90_fwd.attn_fwd), the Python functions with the most own time.
+--call-profile: cProfile of flash_attn_func's forward and backward (autograd run on this thread), the Python
+functions with the most own time.
+--jit-pieces: each Triton launch of one forward + backward, timed whole and in the pieces of Triton's
+JITFunction.run (binding and specialization, cache key, launcher).
 """
 
 import argparse
@@ -108,6 +112,12 @@ def inside_autograd(q, k, v, dout, causal, iters=200):
         print(f"| {label} | {total / timed.calls[label] * 1e6:.1f} | {timed.calls[label] / iters:g} |")
 
 
+def on_this_thread(fn):
+    """fn with the autograd engine running CUDA backwards on the calling thread (no hand-off to its device thread)."""
+    with torch.autograd.set_multithreading_enabled(False):
+        return fn()
+
+
 def through_ops(fn):
     """fn with autograd's direct calls turned off, so every call dispatches through torch.ops.flashpatch."""
     eager = fp_autograd._eager
@@ -118,10 +128,57 @@ def through_ops(fn):
         fp_autograd._eager = eager
 
 
+def jit_pieces(call):
+    """Host us of each Triton launch inside call(), whole and piece by piece (JITFunction.run's own steps)."""
+    from triton import knobs
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction, compute_cache_key
+
+    captured = []
+    run = JITFunction.run
+
+    def capture(self, *a, grid, warmup, **kw):
+        captured.append((self, a, grid, dict(kw)))
+        return run(self, *a, grid=grid, warmup=warmup, **kw)
+    JITFunction.run = capture
+    try:
+        call()
+    finally:
+        JITFunction.run = run
+    torch.cuda.synchronize()
+    print("\n| launch | whole | device+stream | bind | key | globals | launcher |\n|---|---|---|---|---|---|---|")
+    for fn, a, grid, kw in captured:
+        kw["debug"] = kw.get("debug", fn.debug) or knobs.runtime.debug
+        kw["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+        device = driver.active.get_current_device()
+        stream = driver.active.get_current_stream(device)
+        kernel_cache, key_cache, _, _, binder = fn.device_caches[device]
+        bound, spec, options = binder(*a, **kw)
+        kernel = kernel_cache[compute_cache_key(key_cache, spec, options)]
+        g = tuple(grid) + (1,) * (3 - len(grid))
+
+        def globals_check():
+            for (name, _), (val, globals_dict) in fn.used_global_vals.items():
+                globals_dict.get(name) != val
+        pieces = [
+            lambda: fn.run(*a, grid=grid, warmup=False, **kw),
+            lambda: driver.active.get_current_stream(driver.active.get_current_device()),
+            lambda: binder(*a, **kw),
+            lambda: compute_cache_key(key_cache, spec, options),
+            globals_check,
+            lambda: kernel.run(*g, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                               *bound.values()),
+        ]
+        times = [per_call_us(p, iters=100) for p in pieces]
+        print(f"| {fn.__name__} | " + " | ".join(f"{t:.1f}" for t in times) + " |", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="1b")
     parser.add_argument("--launch-profile", action="store_true")
+    parser.add_argument("--call-profile", action="store_true")
+    parser.add_argument("--jit-pieces", action="store_true")
     args = parser.parse_args()
     b, sq, sk, h, hk, d, causal, *_ = SHAPES[args.shape]
     q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -153,6 +210,11 @@ def main():
          .backward(dout)),
         ("flash_attn_func forward + backward through the custom ops (as under a tracer)", lambda: through_ops(
             lambda: flashpatch.flash_attn_func(q, k, v, causal=causal).backward(dout))),
+        ("flash_attn_func forward + backward, autograd on this thread", lambda: on_this_thread(
+            lambda: flashpatch.flash_attn_func(q, k, v, causal=causal).backward(dout))),
+        ("SDPA forward + backward, autograd on this thread", lambda: on_this_thread(
+            lambda: F.scaled_dot_product_attention(qk, kk, vk, is_causal=causal, enable_gqa=h != hk).backward(
+                dout.transpose(1, 2)))),
         ("SDPA forward + backward (peer)", lambda: F.scaled_dot_product_attention(
             qk, kk, vk, is_causal=causal, enable_gqa=h != hk).backward(dout.transpose(1, 2))),
         ("ops.attn_fwd (the custom op)", lambda: ops.attn_fwd(qd, kd, vd, None, None, sq, sk, None, 0.0, d ** -0.5,
@@ -177,7 +239,8 @@ def main():
     ]
     print(f"| {args.shape}: piece | host us per call |\n|---|---|")
     for name, fn in rows:
-        per_call = per_call_us(fn, iters=10) / 20 if "thread" in name else per_call_us(fn)
+        # in_thread rows run fn 20 times per call of theirs
+        per_call = per_call_us(fn, iters=10) / 20 if "fresh thread" in name else per_call_us(fn)
         print(f"| {name} | {per_call:.1f} |", flush=True)
     inside_autograd(q, k, v, dout, causal)
     if args.launch_profile:
@@ -188,6 +251,21 @@ def main():
         profiler.disable()
         torch.cuda.synchronize()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    if args.jit_pieces:
+        jit_pieces(lambda: (flashpatch.flash_attn_func(q, k, v, causal=causal).backward(dout)))
+    if args.call_profile:
+        def call():  # the whole forward + backward, autograd's included, on this thread
+            with torch.autograd.set_multithreading_enabled(False):
+                flashpatch.flash_attn_func(q, k, v, causal=causal).backward(dout)
+        call()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(200):
+            call()
+        profiler.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from flashpatch.integrations import hf_padding_free as pf
 from flashpatch.integrations import transformers as fp_hf
 
 from ._patch_models import DECODERS, ENCODERS, SEQ, VOCAB, as_float64, build, lora_qwen2
-from .test_patch import assert_as_accurate_as_eager, compare_runs, forward_backward
+from .test_patch import compare_runs, forward_backward
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",

@@ -1,0 +1,136 @@
+"""Host (Python) time per attention forward + backward, flashpatch against SDPA, at shapes whose GPU work is a few
+microseconds, so that what is timed is the host's. GPU only.
+
+    python benchmarks/host_time.py [--out results/latest] [--history results/history.csv] [--repeats 7]
+
+Each case runs as a model's layer does: inputs that need grad, forward, backward with a given output gradient.
+A figure is the median over `repeats` runs of the mean over `iters` calls (perf_counter around the loop; the GPU
+is synchronized before and after, not inside). Cases: dense causal rows (the 1B model's and the 121M model's
+heads), the same with dropout 0.1, and a padded batch (flashpatch: flash_attn_varlen_func on unpadded tokens;
+SDPA: a boolean padding mask). flashpatch runs with its launch cache (options.KernelOptions.cached_launch) and
+without it. Writes host_time.md and host_time.json to --out, appends to --history, prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "recipes"))
+import flashpatch  # noqa: E402
+from flashpatch.kernels import options  # noqa: E402
+
+# name: (batch, seqlen, heads, kv heads, head dim)
+SHAPES = {"d128 GQA 16/4": (1, 128, 16, 4, 128), "d64 GQA 12/4": (1, 128, 12, 4, 64)}
+
+
+def host_us(step, iters: int, repeats: int) -> float:
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            step()
+        runs.append((time.perf_counter() - start) / iters * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(runs)
+
+
+def cases(shape):
+    b, s, h, hk, d = shape
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(b, s, h, d, device=dev, dtype=dt, requires_grad=True)
+    k, v = (torch.randn(b, s, hk, d, device=dev, dtype=dt, requires_grad=True) for _ in "kv")
+    dout = torch.randn(b, s, h, d, device=dev, dtype=dt)
+    qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))  # SDPA's (B, H, S, D)
+    doutt = dout.transpose(1, 2)
+    # padded: two rows, the second half padding
+    lengths = torch.tensor([s, s // 2], device=dev, dtype=torch.int32)
+    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    total = int(lengths.sum())
+    qv = torch.randn(total, h, d, device=dev, dtype=dt, requires_grad=True)
+    kv_, vv = (torch.randn(total, hk, d, device=dev, dtype=dt, requires_grad=True) for _ in "kv")
+    doutv = torch.randn(total, h, d, device=dev, dtype=dt)
+    qp, kp, vp = (torch.randn(2, x, s, d, device=dev, dtype=dt, requires_grad=True) for x in (h, hk, hk))
+    doutp = torch.randn(2, h, s, d, device=dev, dtype=dt)
+    keep = torch.arange(s, device=dev)[None, :] < lengths[:, None].long()  # (2, S) keys that are real
+    causal = torch.ones(s, s, device=dev, dtype=torch.bool).tril()
+    mask = (keep[:, None, None, :] & causal)  # (2, 1, S, S)
+
+    def fp_dense(p=0.0):
+        return lambda: flashpatch.flash_attn_func(q, k, v, dropout_p=p, causal=True).backward(dout)
+
+    def sdpa_dense(p=0.0):
+        return lambda: F.scaled_dot_product_attention(qt, kt, vt, dropout_p=p, is_causal=True,
+                                                      enable_gqa=True).backward(doutt)
+    return {
+        "dense": (fp_dense(), sdpa_dense()),
+        "dropout 0.1": (fp_dense(0.1), sdpa_dense(0.1)),
+        "padded": (lambda: flashpatch.flash_attn_varlen_func(qv, kv_, vv, cu, cu, s, s, causal=True).backward(doutv),
+                   lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask,
+                                                          enable_gqa=True).backward(doutp)),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=str(REPO / "results" / "latest"))
+    parser.add_argument("--history", default=str(REPO / "results" / "history.csv"))
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    gpu = torch.cuda.get_device_name()
+    import triton
+
+    rows = []
+    for shape_name, shape in SHAPES.items():
+        for case, (fp, sdpa) in cases(shape).items():
+            with options.override(cached_launch=False):
+                uncached = host_us(fp, args.iters, args.repeats)
+            cached = host_us(fp, args.iters, args.repeats)
+            peer = host_us(sdpa, args.iters, args.repeats)
+            rows.append(dict(shape=shape_name, case=case, fpatch=cached, fpatch_uncached=uncached, sdpa=peer))
+            print(f"{shape_name} {case}: fpatch {cached:.0f} us (no launch cache {uncached:.0f}), sdpa {peer:.0f}",
+                  file=sys.stderr, flush=True)
+    lines = [f"## Host time per attention forward + backward, {gpu}", "",
+             f"torch {torch.__version__}, Triton {triton.__version__}, bf16, causal; median of {args.repeats} runs of "
+             f"{args.iters} calls (`python benchmarks/host_time.py`)", "",
+             "| heads | case | flashpatch us | flashpatch, no launch cache us | SDPA us | flashpatch / SDPA |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['case']} | {r['fpatch']:.0f} | {r['fpatch_uncached']:.0f} | {r['sdpa']:.0f} "
+                     f"| {r['fpatch'] / r['sdpa']:.2f}x |")
+    table = "\n".join(lines)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "host_time.md").write_text(table + "\n")
+        (out / "host_time.json").write_text(json.dumps(dict(gpu=gpu, torch=torch.__version__,
+                                                            triton=triton.__version__, rows=rows), indent=1) + "\n")
+    if args.history:
+        import history
+
+        figures = []
+        for r in rows:
+            case = f"host time {r['shape']} {r['case']}"
+            figures += [(case, "fpatch", "host_us", r["fpatch"]), (case, "fpatch_uncached", "host_us",
+                                                                   r["fpatch_uncached"]),
+                        (case, "sdpa", "host_us", r["sdpa"])]
+        history.append(args.history, history.rows(figures, gpu=gpu, torch_version=torch.__version__,
+                                                  triton_version=triton.__version__))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
