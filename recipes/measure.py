@@ -75,16 +75,27 @@ def segment_lengths(batch: dict[str, torch.Tensor]) -> list[int]:
     return lengths
 
 
-def train_flops(n_matmul_params: int, n_layers: int, attn_width: int, lengths: list[int], causal: bool = True) -> float:
-    """FLOPs of one forward+backward (backward = 2x forward) over sequences of the given real lengths.
+def frozen_matmul_params(model: torch.nn.Module) -> int:
+    """The part of `matmul_params` that does not train (LoRA's base weights): the backward computes their inputs'
+    gradients but not their own."""
+    embed = model.get_input_embeddings().weight
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()
+               if not p.requires_grad and p is not embed)
 
-    attn_width = num_heads * head_dim. Forward attention per layer: QKᵀ and PV, 2·L²·width FLOPs each.
+
+def train_flops(n_matmul_params: int, n_layers: int, attn_width: int, lengths: list[int], causal: bool = True,
+                frozen_params: int = 0) -> float:
+    """FLOPs of one forward+backward over sequences of the given real lengths: per token 2 per parameter forward and
+    4 backward (the input's gradient and the weight's), or 2 for the `frozen_params` among them (no weight gradient).
+
+    attn_width = num_heads * head_dim. Forward attention per layer: QKᵀ and PV, 2·L²·width FLOPs each; its backward
+    twice that.
     """
     tokens = sum(lengths)
     attn_fwd = 4.0 * n_layers * attn_width * sum(length * length for length in lengths)
     if causal:
         attn_fwd /= 2
-    return 6.0 * n_matmul_params * tokens + 3.0 * attn_fwd
+    return (6.0 * (n_matmul_params - frozen_params) + 4.0 * frozen_params) * tokens + 3.0 * attn_fwd
 
 
 def rss_gib() -> float | None:

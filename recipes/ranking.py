@@ -71,7 +71,7 @@ def compare(cfg, accelerator, batches, tokenizer, skip_reasons: dict, build_trai
             rows[impl].update(status="OOM", reason=f"building the model: {str(exc).splitlines()[0][:200]}")
         return list(rows.values()), info
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    n_matmul = measure.matmul_params(unwrapped)
+    n_matmul, n_frozen = measure.matmul_params(unwrapped), measure.frozen_matmul_params(unwrapped)
     mcfg = unwrapped.config
     head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
     attn_width = mcfg.num_attention_heads * head_dim
@@ -136,7 +136,8 @@ def compare(cfg, accelerator, batches, tokenizer, skip_reasons: dict, build_trai
         round_batches = batches[cfg.warmup_steps + r * steps : cfg.warmup_steps + (r + 1) * steps]
         lengths = [measure.segment_lengths(b) for b in round_batches]
         work.append([sum(map(sum, lengths)), sum(b["input_ids"].numel() for b in round_batches),
-                     sum(measure.train_flops(n_matmul, mcfg.num_hidden_layers, attn_width, ln) for ln in lengths)])
+                     sum(measure.train_flops(n_matmul, mcfg.num_hidden_layers, attn_width, ln, frozen_params=n_frozen)
+                         for ln in lengths)])
     work_per_rank = accelerator.gather(torch.tensor(work, dtype=torch.float64).to(device)).view(world, rounds, 3).cpu()
     work = work_per_rank.sum(dim=0)  # (rounds, [tokens, padded tokens, FLOPs])
     names = list(times)  # every implementation that started; failed ones have NaN times and are not reported
@@ -192,6 +193,7 @@ def compare(cfg, accelerator, batches, tokenizer, skip_reasons: dict, build_trai
             losses_note="one model trained by every implementation in turn: not a parity check",
             final_loss=per[impl]["losses"][-1],
             n_matmul_params=n_matmul,
+            frozen_matmul_params=n_frozen,
         )
     for impl in active if base else ():
         ratios = [t / b for t, b in zip(round_tps[impl], base)]  # paired: same round, same batches

@@ -134,9 +134,15 @@ def build_training(impl: str, cfg: TrainConfig, accelerator, tokenizer):
         import flashpatch
 
         flashpatch.patch_model(model, padding_free=True)
+    if cfg.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                                                 target_modules=list(cfg.lora_targets), lora_dropout=0.0))
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     # Linear learning-rate warm-up over the (unmeasured) warm-up steps, then constant: random-init models in bf16
     # spike without it, and a spike makes the loss curves useless for comparing implementations.
     ramp = cfg.warmup_steps + 1
@@ -181,7 +187,7 @@ def train_one(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer) -> d
     # The model itself: DDP does not forward attributes. keep_torch_compile=False, as with True accelerate would
     # replace the compiled wrapper's _orig_mod by the unwrapped model, taking DDP out of a compiled DDP model.
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    n_matmul = measure.matmul_params(unwrapped)
+    n_matmul, n_frozen = measure.matmul_params(unwrapped), measure.frozen_matmul_params(unwrapped)
     mcfg = unwrapped.config
     head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
     attn_width = mcfg.num_attention_heads * head_dim  # query heads x head dim: the width of QKᵀ and PV
@@ -213,12 +219,13 @@ def train_one(impl: str, cfg: TrainConfig, accelerator, batches, tokenizer) -> d
             lengths = measure.segment_lengths(batch)
             raw["tokens"] += sum(lengths)
             raw["padded_tokens"] += batch["input_ids"].numel()
-            raw["flops"] += measure.train_flops(n_matmul, mcfg.num_hidden_layers, attn_width, lengths)
+            raw["flops"] += measure.train_flops(n_matmul, mcfg.num_hidden_layers, attn_width, lengths,
+                                                frozen_params=n_frozen)
         bar.set_postfix(loss=f"{mean_loss:.3f}", ms=f"{1000 * elapsed:.0f}")
         bar.update()
     bar.close()
     raw["attn_implementation"] = getattr(mcfg, "_attn_implementation", impl)
-    raw["n_matmul_params"] = n_matmul
+    raw["n_matmul_params"], raw["frozen_matmul_params"] = n_matmul, n_frozen
     return raw
 
 
@@ -306,6 +313,7 @@ def run_implementation(impl: str, cfg: TrainConfig, accelerator, batches, tokeni
         final_loss=raw["losses"][-1],
         mean_measured_loss=statistics.mean(measured),
         n_matmul_params=raw["n_matmul_params"],
+        frozen_matmul_params=raw["frozen_matmul_params"],
     )
     if cfg.profile_step:
         result.update(traced_step=cfg.profile_step, traced_step_ms=raw.get("traced_step_ms"),

@@ -224,6 +224,8 @@ def test_segment_lengths_and_flops():
     # 6·N·T + 3 · (4 · layers · width · ΣL² / 2 for causal)
     assert measure.train_flops(10, 2, 8, [2, 3]) == 6 * 10 * 5 + 3 * (4 * 2 * 8 * 13 / 2)
     assert measure.train_flops(10, 2, 8, [2, 3], causal=False) == 6 * 10 * 5 + 3 * 4 * 2 * 8 * 13
+    # frozen (LoRA base) weights: no weight gradient, 4 FLOPs per parameter and token instead of 6
+    assert measure.train_flops(10, 2, 8, [2, 3], frozen_params=7) == (6 * 3 + 4 * 7) * 5 + 3 * (4 * 2 * 8 * 13 / 2)
 
 
 def test_gc_pauses_counts_collections_only_while_entered():
@@ -364,6 +366,33 @@ def test_train_smoke_run(tmp_path):
     assert [line.split("|")[1].strip() for line in lines[-3:]] == ["eager", "sdpa", "fpatch"]
     assert "Triton interpreter, whose timings measure nothing" in lines[-6]
     assert "tokens/s" not in lines[-5] and "x |" not in proc.stdout  # no "0.00x sdpa" ratios
+
+
+def test_lora_recipe_trains_only_the_adapters(tmp_path):
+    """`--lora_rank`: PEFT LoRA adapters on a Qwen2 model; sdpa and fpatch train the same adapters to the same
+    losses, and the report counts the frozen base weights."""
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs/accelerate/cpu.yaml"),
+        str(REPO / "recipes" / "train.py"), "--config", str(REPO / "configs" / "tiny_cpu.yaml"),
+        "--implementations", "sdpa,fpatch", "--model_family", "qwen2", "--lora_rank", "4", "--lora_targets",
+        "q_proj,v_proj,down_proj", "--data_mode", "padded", "--seq_len", "48", "--batch_size", "2", "--steps", "2",
+        "--warmup_steps", "1", "--hidden_size", "32", "--num_heads", "2", "--num_kv_heads", "1",
+        "--intermediate_size", "64", "--corpus_max_bytes", "300000", "--plots", "false", "--output_dir", str(out),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    rows = {r["implementation"]: r for r in res["results"]}
+    for r in rows.values():
+        assert r["status"] == "ok", r
+        # everything but the adapters is frozen: the adapters are a few percent of the weights here
+        assert 0 < r["n_matmul_params"] - r["frozen_matmul_params"] < 0.1 * r["n_matmul_params"]
+    np.testing.assert_allclose(rows["fpatch"]["losses"], rows["sdpa"]["losses"], rtol=1e-4)
+    with pytest.raises(ValueError, match="lora_rank"):
+        parse_config(["--lora_rank", "-1"])
 
 
 def _fake_report(device_type: str, interpret: str | None = None) -> dict:
