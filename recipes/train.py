@@ -105,6 +105,7 @@ def build_model(cfg: TrainConfig, attn: str, tokenizer, device: torch.device):
     head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_heads
     intermediate = cfg.intermediate_size or -(-(cfg.hidden_size * 8 // 3) // 64) * 64
     vocab = cfg.vocab_size or -(-tokenizer.vocab_size // 64) * 64
+    extra = {"sliding_window": cfg.sliding_window} if cfg.sliding_window else {}
     config = AutoConfig.for_model(
         cfg.model_family,
         hidden_size=cfg.hidden_size,
@@ -121,6 +122,7 @@ def build_model(cfg: TrainConfig, attn: str, tokenizer, device: torch.device):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         use_cache=False,
+        **extra,
     )
     # Initialise directly on the GPU: a 1B model initialises in well under a second there, ~10 s on the host.
     with torch.device(device):

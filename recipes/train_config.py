@@ -39,6 +39,7 @@ class TrainConfig:
     vocab_size: int = 0  # 0 = the byte tokenizer's 259 rounded up to 320 (a multiple of 64 for tensor cores)
     tie_word_embeddings: bool = False
     attention_dropout: float = 0.0  # set on the model config; active because the model trains in train() mode
+    sliding_window: int = 0  # > 0: set on the model config (families with sliding-window layers); 0 = the default
     # > 0: fine-tune LoRA adapters of this rank (peft) on the lora_targets modules; the base weights are frozen
     lora_rank: int = 0
     lora_alpha: float = 16.0
@@ -105,6 +106,8 @@ def _check(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"compile must be one of {COMPILE_MODES} ('' = no torch.compile), got {cfg.compile!r}")
     if cfg.steps < 1 or cfg.warmup_steps < 0:
         raise ValueError("need steps >= 1 and warmup_steps >= 0")
+    if cfg.sliding_window < 0:
+        raise ValueError(f"sliding_window must be >= 0 (0: the model family's default), got {cfg.sliding_window}")
     if cfg.lora_rank < 0 or (cfg.lora_rank and not cfg.lora_targets):
         raise ValueError(f"lora_rank must be >= 0 (0: full fine-tuning) with lora_targets named, got {cfg.lora_rank} "
                          f"and {cfg.lora_targets}")

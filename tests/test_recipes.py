@@ -395,6 +395,29 @@ def test_lora_recipe_trains_only_the_adapters(tmp_path):
         parse_config(["--lora_rank", "-1"])
 
 
+@pytest.mark.parametrize("config", ["gemma2_1b", "mistral_window_1b"])
+def test_window_and_softcap_configs_train_like_eager(config, tmp_path):
+    """The Gemma-2-style (softcap, alternating windows) and Mistral-style (sliding window) configs, shrunk to toy size
+    with a window shorter than the rows: fpatch trains to eager's losses."""
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs/accelerate/cpu.yaml"),
+        str(REPO / "recipes" / "train.py"), "--config", str(REPO / "configs" / f"{config}.yaml"),
+        "--implementations", "eager,fpatch", "--seq_len", "48", "--sliding_window", "16", "--batch_size", "2",
+        "--steps", "2", "--warmup_steps", "1", "--hidden_size", "32", "--num_layers", "2", "--num_heads", "2",
+        "--num_kv_heads", "1", "--head_dim", "16", "--intermediate_size", "64", "--gradient_checkpointing", "false",
+        "--mixed_precision", "no", "--corpus_max_bytes", "300000", "--plots", "false", "--output_dir", str(out),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    rows = {r["implementation"]: r for r in res["results"]}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    np.testing.assert_allclose(rows["fpatch"]["losses"], rows["eager"]["losses"], rtol=1e-4)
+
+
 def _fake_report(device_type: str, interpret: str | None = None) -> dict:
     rows = [
         {"implementation": "eager", "status": "ok", "losses": [5.0, 4.0, 3.0], "final_loss": 3.0,
