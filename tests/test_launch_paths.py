@@ -562,10 +562,15 @@ def test_launch_cache_key_tells_apart_what_triton_specializes_on():
     assert key(a, 16, 0.5, BLOCK=64) != key(a, 17, 0.5, BLOCK=64)
     assert key(a, 16, 0.5, BLOCK=64) != key(a, 16, 0.5, BLOCK=128)
     assert key(a, 1, 0.5) != key(a, True, 0.5)
+    assert key(a, (1, 2)) == key(a, (1, 2)) != key(a, (1, 3))  # tuples: element by element
+    assert key(a, (1, 1)) != key(a, (1, True)) and key(a, (1, 2)) != key(a, 1, 2)
     assert key(a, None) != key(a, a)
     misaligned = torch.empty(65, dtype=torch.float16)[1:]
     if misaligned.data_ptr() % 16:
         assert key(a) != key(misaligned)
     assert key(a, object()) is None  # an argument the key does not know: Triton's own path
+    import enum
+
+    assert key(a, enum.IntEnum("E", "X").X) is None  # an int subclass: the same
     assert key(a, BLOCK=[64]) is None  # an unhashable keyword value: the same
     assert _signature_key("kernel", 0, (a,), {}) != _signature_key("kernel", 1, (a,), {})  # compiled per device

@@ -32,19 +32,23 @@ _compiled: dict[tuple, tuple[Any, tuple, bool]] = {}  # key -> (compiled kernel,
 
 
 def _arg_key(arg) -> Any:
-    """What Triton's binder specializes on, or a superset of it: equal keys mean the same compiled kernel."""
+    """What Triton's binder specializes on, or a superset of it: equal keys mean the same compiled kernel. Exact
+    types first (the common cases, cheapest to tell); a bool is keyed apart from the int it equals."""
+    kind = type(arg)
+    if kind is int or arg is None or kind is str:
+        return arg
+    if kind is bool:
+        return (bool, arg)
+    if kind is float:
+        return float  # floats are never specialized
+    if kind is tuple:  # specialized element by element
+        return ("tuple", *map(_arg_key, arg))
     if isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() % 16 == 0)
-    if arg is None or isinstance(arg, (bool, int, str)):
-        return arg  # bool before int: True and 1 are equal keys but specialize differently; see _signature_key
-    if isinstance(arg, float):
-        return float  # floats are never specialized
-    if isinstance(arg, tuple):  # specialized element by element
-        return ("tuple", tuple(type(x) is bool for x in arg), tuple(map(_arg_key, arg)))
-    if _GluonDescriptor is not None and isinstance(arg, _GluonDescriptor):
-        return ("desc", arg.base.dtype, arg.base.data_ptr() % 16 == 0, tuple(arg.shape), tuple(arg.strides),
-                tuple(arg.block_shape), _layout_key(arg.layout), arg.padding)
-    raise TypeError  # unknown: the slow path
+    if _GluonDescriptor is not None and kind is _GluonDescriptor:
+        return ("desc", arg.base.dtype, arg.base.data_ptr() % 16 == 0, *arg.shape, *arg.strides, *arg.block_shape,
+                _layout_key(arg.layout), arg.padding)
+    raise TypeError  # anything else (int and float subclasses included): the slow path
 
 
 _layouts: dict[int, Any] = {}  # id -> layout, kept alive so that an id always names the same layout
@@ -66,8 +70,7 @@ def _signature_key(kernel, device: int, args: tuple, kwargs: dict) -> Optional[t
     """The cache key of a launch on CUDA device `device` (Triton compiles and loads a kernel per device), or None
     where the arguments cannot make one."""
     try:
-        key = (kernel, device, tuple(type(a) is bool for a in args), tuple(map(_arg_key, args)),
-               tuple(kwargs.items()))
+        key = (kernel, device, *map(_arg_key, args), tuple(kwargs.items()))
         hash(key)
         return key
     except TypeError:  # an argument the key does not know, or an unhashable keyword value
