@@ -57,7 +57,7 @@ def cases(shape):
     doutt = dout.transpose(1, 2)
     # padded: two rows, the second half padding
     lengths = torch.tensor([s, s // 2], device=dev, dtype=torch.int32)
-    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    cu = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
     total = int(lengths.sum())
     qv = torch.randn(total, h, d, device=dev, dtype=dt, requires_grad=True)
     kv_, vv = (torch.randn(total, hk, d, device=dev, dtype=dt, requires_grad=True) for _ in "kv")

@@ -322,22 +322,30 @@ def test_oom_is_a_result_and_the_next_implementation_runs(monkeypatch, short_doc
 # --- the recipe end to end ----------------------------------------------------------------------------------------
 
 
-def test_train_smoke_run(tmp_path):
-    """`accelerate launch recipes/train.py` with eager, sdpa and fpatch (Triton interpreter) on a tiny model."""
+def run_train(tmp_path, config: str, *args: str, timeout: int = 240):
+    """`accelerate launch` of recipes/train.py on CPU with configs/<config>.yaml and `args`; returns the finished
+    process (checked to have succeeded) and its results.json."""
     out = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs/accelerate/cpu.yaml"),
-        str(REPO / "recipes" / "train.py"), "--config", str(REPO / "configs" / "tiny_cpu.yaml"),
-        "--implementations", "eager,sdpa,fpatch", "--seq_len", "64", "--batch_size", "2", "--steps", "2",
-        "--warmup_steps", "1", "--hidden_size", "32", "--num_heads", "2", "--num_kv_heads", "1",
-        "--intermediate_size", "64", "--corpus_max_bytes", "300000", "--output_dir", str(out),
+        str(REPO / "recipes" / "train.py"), "--config", str(REPO / "configs" / f"{config}.yaml"), *args,
+        "--output_dir", str(out),
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("TRITON_INTERPRET", None)  # train.py must set it by itself when there is no CUDA
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, json.loads((out / "results.json").read_text())
 
-    res = json.loads((out / "results.json").read_text())
+
+def test_train_smoke_run(tmp_path):
+    """`accelerate launch recipes/train.py` with eager, sdpa and fpatch (Triton interpreter) on a tiny model."""
+    proc, res = run_train(
+        tmp_path, "tiny_cpu", "--implementations", "eager,sdpa,fpatch", "--seq_len", "64", "--batch_size", "2",
+        "--steps", "2", "--warmup_steps", "1", "--hidden_size", "32", "--num_heads", "2", "--num_kv_heads", "1",
+        "--intermediate_size", "64", "--corpus_max_bytes", "300000")
+    out = tmp_path / "run"
+
     assert res["environment"]["device_type"] == "cpu" and res["environment"]["triton_interpret"] == "1"
     assert res["config"]["data_mode"] == "packed" and res["config"]["seq_len"] == 64
     rows = {r["implementation"]: r for r in res["results"]}
@@ -371,20 +379,11 @@ def test_train_smoke_run(tmp_path):
 def test_lora_recipe_trains_only_the_adapters(tmp_path):
     """`--lora_rank`: PEFT LoRA adapters on a Qwen2 model; sdpa and fpatch train the same adapters to the same
     losses, and the report counts the frozen base weights."""
-    out = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs/accelerate/cpu.yaml"),
-        str(REPO / "recipes" / "train.py"), "--config", str(REPO / "configs" / "tiny_cpu.yaml"),
-        "--implementations", "sdpa,fpatch", "--model_family", "qwen2", "--lora_rank", "4", "--lora_targets",
-        "q_proj,v_proj,down_proj", "--data_mode", "padded", "--seq_len", "48", "--batch_size", "2", "--steps", "2",
-        "--warmup_steps", "1", "--hidden_size", "32", "--num_heads", "2", "--num_kv_heads", "1",
-        "--intermediate_size", "64", "--corpus_max_bytes", "300000", "--plots", "false", "--output_dir", str(out),
-    ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads((out / "results.json").read_text())
+    _, res = run_train(
+        tmp_path, "tiny_cpu", "--implementations", "sdpa,fpatch", "--model_family", "qwen2", "--lora_rank", "4",
+        "--lora_targets", "q_proj,v_proj,down_proj", "--data_mode", "padded", "--seq_len", "48", "--batch_size", "2",
+        "--steps", "2", "--warmup_steps", "1", "--hidden_size", "32", "--num_heads", "2", "--num_kv_heads", "1",
+        "--intermediate_size", "64", "--corpus_max_bytes", "300000", "--plots", "false")
     rows = {r["implementation"]: r for r in res["results"]}
     for r in rows.values():
         assert r["status"] == "ok", r
@@ -399,20 +398,12 @@ def test_lora_recipe_trains_only_the_adapters(tmp_path):
 def test_window_and_softcap_configs_train_like_eager(config, tmp_path):
     """The Gemma-2-style (softcap, alternating windows) and Mistral-style (sliding window) configs, shrunk to toy size
     with a window shorter than the rows: fpatch trains to eager's losses."""
-    out = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs/accelerate/cpu.yaml"),
-        str(REPO / "recipes" / "train.py"), "--config", str(REPO / "configs" / f"{config}.yaml"),
-        "--implementations", "eager,fpatch", "--seq_len", "48", "--sliding_window", "16", "--batch_size", "2",
-        "--steps", "2", "--warmup_steps", "1", "--hidden_size", "32", "--num_layers", "2", "--num_heads", "2",
-        "--num_kv_heads", "1", "--head_dim", "16", "--intermediate_size", "64", "--gradient_checkpointing", "false",
-        "--mixed_precision", "no", "--corpus_max_bytes", "300000", "--plots", "false", "--output_dir", str(out),
-    ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads((out / "results.json").read_text())
+    _, res = run_train(
+        tmp_path, config, "--implementations", "eager,fpatch", "--seq_len", "48", "--sliding_window", "16",
+        "--batch_size", "2", "--steps", "2", "--warmup_steps", "1", "--hidden_size", "32", "--num_layers", "2",
+        "--num_heads", "2", "--num_kv_heads", "1", "--head_dim", "16", "--intermediate_size", "64",
+        "--gradient_checkpointing", "false", "--mixed_precision", "no", "--corpus_max_bytes", "300000",
+        "--plots", "false", timeout=300)
     rows = {r["implementation"]: r for r in res["results"]}
     assert all(r["status"] == "ok" for r in rows.values()), rows
     np.testing.assert_allclose(rows["fpatch"]["losses"], rows["eager"]["losses"], rtol=1e-4)

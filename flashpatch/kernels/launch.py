@@ -101,12 +101,19 @@ def _no_hook(hook) -> bool:
     return hook is None or getattr(hook, "calls", None) == []
 
 
+def _tritons_launch(kernel, grid: tuple, args: tuple, kwargs: dict, stream: Optional[int]):
+    """Triton's own launch path, on `stream` made current if given; returns what it returns (the compiled kernel)."""
+    if stream is None:
+        return kernel[grid](*args, **kwargs)
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+        return kernel[grid](*args, **kwargs)
+
+
 def launch(kernel, grid: tuple, *args, cached_launch: bool = True, on_stream: Optional[int] = None,
            **kwargs) -> None:
     """kernel[grid](*args, **kwargs) on the current CUDA device's current stream, or on `on_stream` (a raw CUDA
     stream handle) if given. kwargs: the kernel's constexpr parameters by name and the launch options (num_warps,
     maxnreg, ...). cached_launch: False takes Triton's own path every time."""
-    stream = on_stream
     key = None
     if (cached_launch and isinstance(kernel, JITFunction) and not kernel.pre_run_hooks
             and _no_hook(knobs.runtime.launch_enter_hook) and _no_hook(knobs.runtime.launch_exit_hook)):
@@ -114,11 +121,7 @@ def launch(kernel, grid: tuple, *args, cached_launch: bool = True, on_stream: Op
         key = _signature_key(kernel, device, args, kwargs)
     entry = _compiled.get(key) if key is not None else None
     if entry is None:
-        if stream is None:
-            compiled = kernel[grid](*args, **kwargs)
-        else:
-            with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-                compiled = kernel[grid](*args, **kwargs)
+        compiled = _tritons_launch(kernel, grid, args, kwargs, on_stream)
         if key is not None and all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
             tail = _tail(kernel, args, kwargs)
             if tail is not None:
@@ -129,14 +132,12 @@ def launch(kernel, grid: tuple, *args, cached_launch: bool = True, on_stream: Op
                 _compiled[key] = (compiled, tail, scratch)
         return
     compiled, tail, scratch = entry
-    if scratch and stream is not None:
+    if scratch and on_stream is not None:
         # the launcher allocates the scratch on the current stream, which is not the one the kernel runs on: the
-        # slow path makes `stream` current for the launch, so the allocator orders the memory's reuse after it
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-            kernel[grid](*args, **kwargs)
+        # slow path makes `on_stream` current for the launch, so the allocator orders the memory's reuse after it
+        _tritons_launch(kernel, grid, args, kwargs, on_stream)
         return
-    if stream is None:
-        stream = torch._C._cuda_getCurrentRawStream(device)
+    stream = torch._C._cuda_getCurrentRawStream(device) if on_stream is None else on_stream
     grid_1 = grid[1] if len(grid) > 1 else 1
     grid_2 = grid[2] if len(grid) > 2 else 1
     compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, None, None, None,
