@@ -433,21 +433,25 @@ def attn_bwd_impl(
     # fp32 accumulator for atomic dQ; otherwise dQ gets its own pass and the pointer is unused.
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else dq
     causal = window_right == 0
+    # with atomic dQ, the Gluon dK/dV only where it adds dQ itself (sm90_dkdv.fuses_dq)
+    dkdv_on_gluon = gluon_dkdv and (not atomic_dq or fuses_dq)
+    c = cfgs.bwd_dkdv
+    if not dkdv_on_gluon:
+        # The grid now, on the caller's stream: a varlen grid's table is computed by torch ops on the current stream,
+        # which the side stream of a concurrent dK/dV has not waited for once forked.
+        grid, blocks, blocks_fastest = _launch_grid(nheads_k, c.block_n, c.blocks_fastest, cu_seqlens_k, k.shape[0],
+                                                    batch, max_seqlen_k, heaviest_first=False, opts=opts)
 
     def launch_dkdv(stream: Optional[int] = None):  # stream: a raw CUDA stream handle, None for the current one
-        # with atomic dQ, the Gluon dK/dV only where it adds dQ itself (sm90_dkdv.fuses_dq)
-        if gluon_dkdv and (not atomic_dq or fuses_dq):
+        # host work only from here: on a side stream, device work of the current stream would not be ordered
+        if dkdv_on_gluon:
             sm90_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal,
                                       alibi_slopes, dq_accum=dq_accum if atomic_dq else None,
                                       seed_offset=seed_offset, dropout_p=dropout_p, options=opts, stream=stream)
         else:
-            c = cfgs.bwd_dkdv
             tma_dkdv = c.tma and tma_usable(headdim, q, k, v, dout, dq_accum, dk, dv)
             if tma_dkdv:
                 _ensure_allocator()
-            grid, blocks, blocks_fastest = _launch_grid(nheads_k, c.block_n, c.blocks_fastest, cu_seqlens_k,
-                                                        k.shape[0], batch, max_seqlen_k, heaviest_first=False,
-                                                        opts=opts)
             launch(
                 attn_bwd_dkdv_kernel, grid,
                 q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks,

@@ -592,6 +592,31 @@ def test_concurrent_dq_matches_serial(case, monkeypatch):
         assert torch.equal(serial, concurrent)
 
 
+def test_concurrent_backward_makes_the_varlen_grid_before_the_fork_bf16(monkeypatch):
+    # A varlen dK/dV grid's (sequence, block) table is made by torch ops on the caller's stream (ops.varlen_blocks),
+    # and a concurrent backward runs dK/dV on a side stream forked from it: the table must be made before the fork.
+    # A sleep queued on the caller's stream before each table is made holds it back long enough that a dK/dV forked
+    # first would read the table's memory unwritten; a fresh cu_seqlens makes the backward's table anew.
+    from flashpatch import ops
+
+    make = ops.varlen_blocks
+    monkeypatch.setattr(ops, "varlen_blocks", lambda *a, **kw: torch.cuda._sleep(100_000_000) or make(*a, **kw))
+    torch.manual_seed(0)
+    lengths = [100, 513, 1024, 7, 300]
+    q, k, v = (torch.randn(sum(lengths), heads, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for heads in (8, 2, 2))
+    dout = torch.randn_like(q)
+    grads = {}
+    for concurrent in (True, False):
+        cu = cu_seqlens_from_lengths(torch.tensor(lengths, device="cuda"))
+        with kernel_options.override(concurrent_dq=concurrent, atomic_dq=False, gluon_dkdv=False):
+            out = flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+            grads[concurrent] = torch.autograd.grad(out, (q, k, v), dout)
+    for concurrent, serial in zip(grads[True], grads[False]):
+        assert not torch.isnan(serial).any()
+        assert torch.equal(concurrent, serial)
+
+
 @pytest.mark.parametrize("layout", ["dense", "padded", "packed"])
 def test_compiled_patched_model_compiles_once(layout):
     # tests/test_patch.py checks this on the CPU with dynamo alone; here inductor compiles the rest of the model
