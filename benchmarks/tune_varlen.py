@@ -68,7 +68,7 @@ def main():
         return flashpatch.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max(lengths), max(lengths),
                                                  causal=True)
 
-    current = kc.configs_for(headdim, True, masked=True, grouped=nheads_k != nheads)
+    current = kc.configs_for(headdim, True, masked=True, grouped=nheads_k != nheads, varlen=True)
     print(f"varlen, {len(lengths)} documents, {total} tokens, d{headdim}, {nheads}/{nheads_k} heads, causal")
     for name, make_fields in VARIANTS:
         if not re.search(args.match, name) and not name.startswith("current"):

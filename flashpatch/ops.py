@@ -258,7 +258,7 @@ def _launch_configs(q: torch.Tensor, k: torch.Tensor, varlen: bool, max_seqlen_q
     return kernel_config.configs_for(headdim, q.is_cuda, window_left >= 0 or window_right >= 0, dropout_p > 0,
                                      _aligned(varlen, headdim, max_seqlen_q, max_seqlen_k),
                                      max_seqlen_q <= kernel_config.SHORT, q.shape[-2] != k.shape[-2], long_keys,
-                                     fields=opts.config_fields)
+                                     varlen, fields=opts.config_fields)
 
 
 def _mean_keys_seen(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int) -> float:

@@ -337,13 +337,22 @@ def test_gluon_kernels_chosen_where_they_measured_faster():
         assert on.gluon_fwd and on.gluon_dkdv and on.gluon_dq
         off = kernel_config.configs_for(128, False, masked=masked)
         assert not (off.gluon_fwd or off.gluon_dkdv or off.gluon_dq)
-    # head dim 64 (rounds 18, 28 and 29): the forward and dK/dV past SHORT, and dK/dV on short unmasked rows, with or
+    # head dim 64: the forward and dK/dV past SHORT, and dK/dV on short unmasked rows, with or
     # without GQA; never the dQ pass
     for masked, short, expected in ((False, False, (True, True)), (False, True, (False, True)),
                                     (True, False, (True, True)), (True, True, (False, False))):
         for grouped in (False, True):
             cfg = kernel_config.configs_for(64, True, masked=masked, aligned=True, short=short, grouped=grouped)
             assert (cfg.gluon_fwd, cfg.gluon_dkdv) == expected and not cfg.gluon_dq, (masked, short, grouped)
+
+
+def test_d64_masked_dq_tile_varlen_apart_from_ragged_dense_rows():
+    # the 64-query dQ tile was measured on the varlen mix; dense rows whose lengths divide no tile keep the 128-query
+    # tile of aligned rows (kernels/config.py)
+    dense = kernel_config.configs_for(64, True, masked=True, aligned=False)
+    varlen = kernel_config.configs_for(64, True, masked=True, aligned=False, varlen=True)
+    aligned = kernel_config.configs_for(64, True, masked=True, aligned=True)
+    assert (dense.bwd_dq.block_m, varlen.bwd_dq.block_m, aligned.bwd_dq.block_m) == (128, 64, 128)
 
 
 def test_causal_grids_end_on_many_heads_light_blocks(monkeypatch):

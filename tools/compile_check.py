@@ -106,7 +106,8 @@ def main():
     for headdim, dtype, causal, short, varlen in itertools.product(headdims, ["fp16", "bf16"], [False, True],
                                                                    [True, False], [False, True]):
         aligned = not varlen and headdim == block_d(headdim)
-        cfgs = kernel_config.configs_for(headdim, True, masked=causal, dropout=True, aligned=aligned, short=short)
+        cfgs = kernel_config.configs_for(headdim, True, masked=causal, dropout=True, aligned=aligned, short=short,
+                                          varlen=varlen)
         flags = feature_constexprs(headdim, varlen, right=causal, dropout=True)
         atomic = [False, True] if cfgs.atomic_dq else [False]  # deterministic=True keeps the dQ pass
         for fn, cfg, extra in ((attn_fwd_kernel, cfgs.fwd, {}), (attn_bwd_dq_kernel, cfgs.bwd_dq, {}),
@@ -124,7 +125,8 @@ def main():
     alibi = itertools.product([("bf16", 128), ("bf16", 64)], [False, True], [False, True], [False, True], [False],
                               [False, True], [True])
     for (dtype, headdim), varlen, left, right, softcap, dropout, with_alibi in itertools.chain(plain, alibi):
-        cfgs = kernel_config.configs_for(headdim, True, masked=left or right, dropout=dropout, aligned=not varlen)
+        cfgs = kernel_config.configs_for(headdim, True, masked=left or right, dropout=dropout, aligned=not varlen,
+                                         varlen=varlen)
         flags = feature_constexprs(headdim, varlen, left, right, softcap, dropout, with_alibi)
         # the forward tile for at most SHORT queries, where it differs
         short_fwd = kernel_config.configs_for(headdim, True, masked=left or right, dropout=dropout,

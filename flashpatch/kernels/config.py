@@ -67,17 +67,18 @@ LONG_KEYS_DROPOUT = 1024  # the same with dropout (KernelConfigs.fused_dq: measu
 
 def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool = False,
                 aligned: bool = False, short: bool = False, grouped: bool = False,
-                long_keys: bool = False, fields: Mapping = MappingProxyType({})) -> KernelConfigs:
+                long_keys: bool = False, varlen: bool = False,
+                fields: Mapping = MappingProxyType({})) -> KernelConfigs:
     """`measured_configs` (cached: it runs twice per call), with `fields` on top (options.KernelOptions.config_fields:
     what options.override set)."""
-    cfg = measured_configs(headdim, is_cuda, masked, dropout, aligned, short, grouped, long_keys)
+    cfg = measured_configs(headdim, is_cuda, masked, dropout, aligned, short, grouped, long_keys, varlen)
     return replace(cfg, **fields) if fields else cfg
 
 
 @functools.lru_cache(maxsize=None)
 def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool = False,
                      aligned: bool = False, short: bool = False, grouped: bool = False,
-                     long_keys: bool = False) -> KernelConfigs:
+                     long_keys: bool = False, varlen: bool = False) -> KernelConfigs:
     """Launch settings measured by benchmarks/tune_kernels.py (bf16, B*N = 16k, H*D = 2048; docs/tuning.md, by head
     dim and case). `masked`: causal or windowed, where the forward prefers narrower key tiles (less work wasted on
     the diagonal) and the d64 dK/dV kernel a deeper pipeline. `dropout`: the unmasked d128 forward keeps the narrow
@@ -87,7 +88,8 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
     `short`: at most SHORT queries, where a grid of 128-row tiles leaves too few programs to fill the SMs evenly.
     `grouped`: GQA/MQA (fewer K/V heads than query heads), where the dK/dV kernel loops over each K/V head's group.
     `long_keys`: a query sees LONG_KEYS (with dropout LONG_KEYS_DROPOUT) keys or more on average
-    (ops._mean_keys_seen), where the fused dQ wins.
+    (ops._mean_keys_seen), where the fused dQ wins. `varlen`: a varlen batch (not aligned, and its tiles measured on
+    the varlen mix apart from dense rows whose lengths divide no tile).
 
     The separate dQ pass beat the Triton dK/dV's atomic dQ in every measured case but one, so it is the default,
     which also makes the backward deterministic by construction. The exception: d128 causal or windowed with
@@ -118,9 +120,9 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
             bwd_dkdv=(LaunchConfig(32, 64, num_warps=4, num_stages=3, blocks_fastest=True) if aligned and not masked
                       else LaunchConfig(32, 128, num_warps=4, num_stages=3 if masked else 2,
                                         blocks_fastest=bwd_blocks_fastest)),
-            # 64-query dQ tiles on the varlen mix (8% faster); dense rows and head dims up to 32, not measured with
-            # it, keep 128 queries
-            bwd_dq=LaunchConfig(64 if masked and not aligned and block_d == 64 else 128, 64, num_warps=4,
+            # 64-query dQ tiles on the varlen mix (8% faster); dense rows (on rows of 1000 / 4000, 128 queries
+            # measured 188 / 362 TFLOP/s fwd+bwd against 168 / 301 for 64) and head dims up to 32 keep 128 queries
+            bwd_dq=LaunchConfig(64 if masked and varlen and block_d == 64 else 128, 64, num_warps=4,
                                 num_stages=3, blocks_fastest=bwd_blocks_fastest,
                                 # ptxas (Triton 3.6) crashes on the masked dropout dQ at head dims up to 32 with TMA
                                 tma=masked and not (dropout and block_d < 64)),
