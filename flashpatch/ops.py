@@ -3,8 +3,8 @@ torch.compile traces through them as opaque nodes.
 
 Dense tensors are (batch, seqlen, heads, headdim); varlen tensors are (total_tokens, heads, headdim) with
 cu_seqlens. Both run the same kernels: varlen reads a sequence's start and length from cu_seqlens, dense uses a
-batch stride. On an H100/H200 (sm_90), dense d128 calls that are causal or unmasked (with or without ALiBi slopes)
-and whose lengths divide the tiles run warp-specialized Gluon kernels instead (kernels/sm90/; same results,
+batch stride. On an H100/H200 (sm_90), dense calls at head dim 64 or 128 that are causal or unmasked (with or without
+ALiBi slopes), of any lengths, run warp-specialized Gluon kernels instead (kernels/sm90/; same results,
 same LSE and delta buffers); FLASHPATCH_GLUON=0 turns them off. No argument checking here: flashpatch.validation does
 it in the public layer.
 """
@@ -410,14 +410,22 @@ def attn_bwd_impl(
     flags = _common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype, alibi_slopes)
     tile_d = block_d(headdim)
 
+    # Dense rows: the LSE and delta the kernels read run on to a multiple of ALIGN rows, LSE +inf and delta 0 past
+    # max_seqlen_q, so that whole tiles past a sequence's end give P = 0 (what lets the Gluon kernels take any length)
+    padded_rows = max_seqlen_q if varlen else cdiv(max_seqlen_q, kernel_config.ALIGN) * kernel_config.ALIGN
+    pad = padded_rows != max_seqlen_q
+    lse_in = lse
+    if pad:
+        lse = torch.empty((batch, nheads, padded_rows), dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse)
     pre = cfgs.bwd_dq
     launch(
-        attn_bwd_preprocess_kernel, (batch * nheads, cdiv(max_seqlen_q, pre.block_m)),
-        out, dout, delta, cu_seqlens_q,
+        attn_bwd_preprocess_kernel, (batch * nheads, cdiv(padded_rows, pre.block_m)),
+        out, dout, delta, lse_in, lse, cu_seqlens_q,
         *_seq_strides(out, varlen), *_seq_strides(dout, varlen), *_lse_strides(lse, varlen),
-        nheads, max_seqlen_q,
-        HEADDIM=headdim, BLOCK_D=tile_d, BLOCK_M=pre.block_m, IS_VARLEN=varlen, cached_launch=opts.cached_launch,
+        *_lse_strides(lse_in, varlen), nheads, max_seqlen_q, padded_rows,
+        HEADDIM=headdim, BLOCK_D=tile_d, BLOCK_M=pre.block_m, IS_VARLEN=varlen, PAD=pad,
+        cached_launch=opts.cached_launch,
     )
 
     # The Gluon Hopper kernels take the calls in their scope (sm90.common.sm90_dense_ok), the Triton ones the rest

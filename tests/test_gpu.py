@@ -115,7 +115,7 @@ def test_tma_tiles_in_every_kernel_bf16(atomic_dq, causal):
     tma = {name: replace(getattr(base, name), tma=True) for name in ("fwd", "bwd_dkdv", "bwd_dq")}
     q, k, v = random_qkv(2, 1000, 1000, 8, 2, 128, torch.bfloat16, device="cuda")
     assert flashpatch.ops.tma_usable(128, q, k, v)
-    with kernel_options.override(atomic_dq=atomic_dq, **tma):
+    with kernel_options.override(atomic_dq=atomic_dq, gluon_fwd=False, gluon_dkdv=False, gluon_dq=False, **tma):
         out = flashpatch.flash_attn_func(q, k, v, causal=causal)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -133,12 +133,24 @@ GLUON_CASES = [
     # causal grids in head groups (config.head_group): 3 heads in a group of 8, and 10 in groups of 4
     (1, 2048, 2048, 3, 3, 128, True, "bshd"),
     (2, 4096, 4096, 5, 5, 128, True, "bshd"),
+    # lengths that divide no tile: a last query block past seqlen_q (rows computed, never stored; the backward's
+    # padded LSE gives them P = 0) and a last key block past seqlen_k (masked; dK/dV rows not stored), which the 2-D
+    # TMA views fill from the next head's or batch's rows
+    (2, 1000, 1000, 8, 2, 128, True, "bshd"),
+    (1, 1023, 1023, 4, 4, 128, False, "bshd"),
+    (2, 113, 17, 4, 1, 128, True, "bshd"),  # Sq > Sk: the first 96 queries see no key
+    (2, 17, 113, 2, 2, 128, False, "bhsd"),
+    (3, 1, 1, 2, 1, 128, True, "bshd"),
+    (2, 1000, 1000, 6, 2, 64, True, "bshd"),
+    (1, 777, 1234, 4, 2, 64, False, "bshd"),  # K and V in registers (head dim 64) with keys past seqlen_k
+    (1, 8191, 8191, 2, 1, 128, True, "bshd"),
 ]
 
 
 # ALiBi in the Gluon kernels: GQA (the dK/dV program steps over its group's query heads, each with its own slope),
-# Sq != Sk both ways (the bias is bottom-right aligned like the mask), (B, H, S, D) memory, head dim 64, no mask
-GLUON_ALIBI_CASES = GLUON_CASES[:6]
+# Sq != Sk both ways (the bias is bottom-right aligned like the mask), (B, H, S, D) memory, head dim 64, no mask,
+# lengths that divide no tile
+GLUON_ALIBI_CASES = GLUON_CASES[:6] + [GLUON_CASES[8], GLUON_CASES[14]]
 
 
 def _gluon_id(case):
@@ -171,7 +183,7 @@ def test_gluon_kernels_alibi_match_float64(case, dtype, monkeypatch):
 @needs_gluon
 @pytest.mark.parametrize("persistent,scheduled", [(True, True), (True, False), (False, True)],
                          ids=["persistent", "persistent_closed_form", "per_block"])
-@pytest.mark.parametrize("case", [GLUON_CASES[i] for i in (0, 2, 4, 7)], ids=_gluon_id)
+@pytest.mark.parametrize("case", [GLUON_CASES[i] for i in (0, 2, 4, 7, 8, 9)], ids=_gluon_id)
 def test_gluon_grid_forms_match_float64_bf16(case, persistent, scheduled, monkeypatch):
     # Both grid forms of the Gluon forward and dQ, whichever config.persistent_grid picks for the shape: one program
     # per SM taking query blocks in turn (two query buffers, a K/V ring that runs on across blocks), or one program
@@ -184,8 +196,8 @@ def test_gluon_grid_forms_match_float64_bf16(case, persistent, scheduled, monkey
 
 @needs_gluon
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", [GLUON_CASES[i] for i in (0, 1, 2, 3, 7)] + [GLUON_CASES[1][:-1] + ("bshd", True)],
-                         ids=_gluon_id)
+@pytest.mark.parametrize("case", [GLUON_CASES[i] for i in (0, 1, 2, 3, 7, 8, 9)]
+                         + [GLUON_CASES[1][:-1] + ("bshd", True)], ids=_gluon_id)
 def test_gluon_forward_pipelined_pv_is_bit_identical(case, dtype):
     # The persistent forward's consumers are pipelined by one matmul (sm90.fwd._fwd_block_pipelined: block i - 1's
     # P V issued with block i's S), the per-block program's are not (_fwd_block); at head dim 128 both run two
@@ -318,6 +330,11 @@ def _spy_fused_dq(monkeypatch) -> list:
     (1, 4096, 4096, 5, 5, 128, True, "bshd", False),  # heads in groups of 4 (config.head_group), fused by default
     (1, 512, 512, 8, 2, 128, True, "bshd", True),  # ALiBi: each step's query head's slope
     (2, 640, 1152, 4, 2, 128, False, "bhsd", True),
+    # lengths that divide no tile: the reduce-adds of a last query block's rows past seqlen_q add zeros into the
+    # next head's rows, and a last key block's keys past seqlen_k are masked out of dS
+    (2, 1000, 1000, 4, 2, 128, True, "bshd", False),
+    (1, 113, 1000, 4, 1, 128, False, "bhsd", False),
+    (2, 1000, 777, 4, 2, 128, False, "bshd", True),
 ], ids=_gluon_id)
 def test_gluon_dkdv_fused_dq_matches_float64_bf16(case, monkeypatch):
     # The Gluon dK/dV adds dQ into the fp32 buffer itself (sm90_dkdv._fused_dq, _dq_reducer: dS split along D
@@ -362,6 +379,8 @@ def test_fused_dq_where_keys_are_long_unless_deterministic_bf16(causal, monkeypa
     (2, 512, 1024, 4, 1, 128, False, 0.1, False),
     (1, 1024, 2048, 2, 1, 64, False, 0.3, False),  # head dim 64
     (2, 1024, 1024, 8, 2, 128, True, 0.1, True),  # with ALiBi
+    (2, 1000, 1000, 8, 2, 128, True, 0.1, False),  # lengths that divide no tile
+    (1, 777, 1234, 4, 2, 128, False, 0.1, False),
 ], ids=lambda c: (f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-d{c[5]}-{'causal' if c[6] else 'full'}-p{c[7]}"
                   + ("-alibi" if c[8] else "")))
 def test_gluon_dq_dropout_matches_float64_bf16(case, monkeypatch):
@@ -424,6 +443,9 @@ DRAWER_DROPOUT_CASES = [
     # weight (p under 2^-17), t = 2^16 drops every one
     (1, 1024, 1024, 2, 2, True, 2e-6, False, torch.bfloat16),
     (1, 1024, 1024, 2, 2, False, 0.999995, False, torch.bfloat16),
+    # lengths that divide no tile
+    (2, 1000, 1000, 4, 2, True, 0.1, False, torch.bfloat16),
+    (1, 777, 1234, 4, 2, False, 0.1, False, torch.float16),
 ]
 
 

@@ -384,8 +384,9 @@ def test_gluon_switch_and_triton_release_gate(monkeypatch):
 
 
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1024, 1024), (1000, 1024), (1024, 1000), (17, 113), (1, 128)])
-def test_gluon_kernels_take_only_lengths_that_divide_their_tiles(monkeypatch, seqlen_q, seqlen_k):
-    # The 2-D TMA views run on into the next head's rows, so a partial tile must go to the Triton kernels.
+def test_gluon_kernels_take_lengths_that_divide_no_tile(monkeypatch, seqlen_q, seqlen_k):
+    # A last tile past a sequence's end is masked in the Gluon kernels (their module docstrings), so their scope
+    # (sm90_dense_ok, stubbed here: it needs sm_90) adds no length condition.
     from flashpatch.kernels.sm90 import dkdv as sm90_dkdv, dq as sm90_dq, fwd as sm90_fwd
 
     for module in (sm90_fwd, sm90_dkdv, sm90_dq):
@@ -393,10 +394,33 @@ def test_gluon_kernels_take_only_lengths_that_divide_their_tiles(monkeypatch, se
     q, k, v = random_qkv(1, seqlen_q, seqlen_k, 2, 2, 128, torch.float16, requires_grad=False)
     scope = dict(varlen=False, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, window_left=-1, window_right=0,
                  softcap=0.0, dropout_p=0.0)
-    divides = seqlen_q % 128 == 0 and seqlen_k % 128 == 0
-    assert sm90_fwd.supported(q, k, v, **scope) == divides
-    assert sm90_dq.supported(q, k, v, q, **scope) == divides
-    assert sm90_dkdv.supported(q, k, v, q, **scope) == (seqlen_q % 64 == 0 and seqlen_k % 128 == 0)
+    assert sm90_fwd.supported(q, k, v, **scope)
+    assert sm90_dq.supported(q, k, v, q, **scope)
+    assert sm90_dkdv.supported(q, k, v, q, **scope)
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 17, 128, 200])
+def test_backward_preprocess_pads_lse_and_delta(seqlen_q):
+    # Dense rows: the backward's LSE and delta run on to a multiple of 128 rows, LSE +inf and delta 0 past seqlen_q,
+    # so that the Gluon kernels' whole tiles past a sequence's end get P = 0 (ops.attn_bwd_impl)
+    from flashpatch.kernels.triton.backward import attn_bwd_preprocess_kernel
+
+    batch, nheads, headdim, padded = 2, 3, 64, -(-seqlen_q // 128) * 128
+    torch.manual_seed(0)
+    out, dout = (torch.randn(batch, seqlen_q, nheads, headdim) for _ in range(2))  # (B, S, H, D)
+    lse = torch.randn(batch, nheads, seqlen_q)
+    lse_padded = torch.full((batch, nheads, padded), float("nan"))
+    delta = torch.full_like(lse_padded, float("nan"))
+    block = 32
+    attn_bwd_preprocess_kernel[(batch * nheads, -(-padded // block))](
+        out, dout, delta, lse, lse_padded, None, *out.stride()[:3], *dout.stride()[:3], *lse_padded.stride()[:2],
+        *lse.stride()[:2], nheads, seqlen_q, padded, HEADDIM=headdim, BLOCK_D=headdim, BLOCK_M=block,
+        IS_VARLEN=False, PAD=True)
+    expected_delta = (out * dout).sum(-1).transpose(1, 2)  # (B, H, S)
+    torch.testing.assert_close(delta[..., :seqlen_q], expected_delta, rtol=1e-5, atol=1e-5)
+    assert torch.equal(lse_padded[..., :seqlen_q], lse)
+    assert torch.equal(delta[..., seqlen_q:], torch.zeros_like(delta[..., seqlen_q:]))
+    assert torch.isposinf(lse_padded[..., seqlen_q:]).all()
 
 
 @pytest.mark.parametrize("headdim,dropout", [(64, False), (128, False), (128, True)])

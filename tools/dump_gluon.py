@@ -36,6 +36,7 @@ def main():
     parser.add_argument("--head-group", type=int, default=1, help="grid order (config.head_group)")
     parser.add_argument("--dropout", action="store_true", help="dQ or dK/dV with dropout")
     parser.add_argument("--alibi", action="store_true", help="with ALiBi slopes")
+    parser.add_argument("--key-tail", action="store_true", help="dK/dV: seqlen_k not a multiple of its key block")
     parser.add_argument("--persistent", action="store_true", help="the forward's or dQ's PERSISTENT variant")
     parser.add_argument("--consumers", type=int, default=0, help="the forward's consumer warpgroups (0: its rule)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=0|1",
@@ -55,7 +56,8 @@ def main():
         vec = f"tensordesc<fp32[{bm}],{gl.NVMMASharedLayout.get_default_for([bm], gl.float32)!r}>"
         descs = {"q_desc": desc(bm), "do_desc": desc(bm), "k_desc": desc(hk.BLOCK_N), "v_desc": desc(hk.BLOCK_N),
                  "lse_desc": vec, "delta_desc": vec}
-        consts = dict(CAUSAL=args.causal, HEADDIM=d, BLOCK_M=bm, HALF_N=hk.HALF_N, STAGES=args.stages or hk.STAGES,
+        consts = dict(CAUSAL=args.causal, KEY_TAIL=args.key_tail, HEADDIM=d, BLOCK_M=bm, HALF_N=hk.HALF_N,
+                      STAGES=args.stages or hk.STAGES,
                       HEAD_GROUP=args.head_group, REG_KV=hk.register_kv(d), LSE_FIRST=hk.lse_first(d),
                       CONSUMER_REGS=hk.consumer_registers(d, args.dropout),
                       PRODUCER_REGS=hk.worker_registers(args.dropout), FUSED_DQ=False, DROPOUT=args.dropout)
@@ -125,6 +127,7 @@ def main():
     stem = out / (f"{args.kernel}_gluon_d{d}{'_causal' if args.causal else ''}"
                   f"{f'_c{args.consumers}' if args.consumers else ''}{'_dropout' if args.dropout else ''}"
                   f"{'_alibi' if args.alibi else ''}{'_persistent' if args.persistent else ''}"
+                  f"{'_tail' if args.key_tail else ''}"
                   + "".join(f"_{item.split('=')[0].lower()}" for item in args.set if item.endswith("=1")))
     ptx = kernel.asm["ptx"]
     stem.with_suffix(".ttgir").write_text(kernel.asm["ttgir"])

@@ -58,7 +58,8 @@ def sm90_dense_ok(*tensors: torch.Tensor, varlen: bool, window_left: int, window
                   dropout_p: float, with_dropout: bool = False) -> bool:
     """The scope the Gluon kernels share: sm_90 with Gluon enabled (`enabled`), dense (B, S, H, D) tensors that
     `rows_view` maps, bf16 or fp16, head dim 64 or 128, causal or unmasked, no softcap, no dropout unless the
-    kernel draws it (`with_dropout`), 32-bit element offsets. Each kernel adds its tile divisibility."""
+    kernel draws it (`with_dropout`), 32-bit element offsets. Any lengths: the kernels mask a last tile that runs past a
+sequence (`key_limit`, the backward's padded LSE)."""
     q = tensors[0]
     if not (enabled() and q.is_cuda and capability(q.device) == (9, 0)):
         return False
@@ -169,12 +170,24 @@ def query_block_of_tile(tile, num_bh, seqlen_q, seqlen_k, nheads, group_size, CA
     m0 = pid_m * BLOCK_M
     shift = seqlen_k - seqlen_q
     n_steps = gl.cdiv(seqlen_k, BLOCK_N)
-    n_full = n_steps
+    n_full = seqlen_k // BLOCK_N  # without a mask, a last key block past seqlen_k is masked (`key_limit`)
     if CAUSAL:
         n_end = gl.minimum(gl.maximum(m0 + BLOCK_M + shift, 0), seqlen_k)
         n_steps = gl.cdiv(n_end, BLOCK_N)
         n_full = gl.minimum(gl.maximum(m0 + shift + 1, 0) // BLOCK_N, n_steps)  # blocks below the diagonal
     return off_b, off_h, off_hk, m0, shift, n_full, n_steps
+
+
+@gluon.jit
+def key_limit(offs_m, shift, seqlen_k, CAUSAL: gl.constexpr):
+    """The last key each query row offs_m may see in a masked step (the forward's and dQ's): its causal diagonal,
+    key n <= m + Sk - Sq (bottom-right aligned), which for every row before seqlen_q lies before seqlen_k, or
+    without a mask the sequence's last key, for a last key block that runs past it. The rows past seqlen_q of a last
+    query block compute on whatever their TMA tile held and are never stored."""
+    if CAUSAL:
+        return offs_m + shift
+    else:
+        return offs_m * 0 + (seqlen_k - 1)
 
 
 @gluon.jit

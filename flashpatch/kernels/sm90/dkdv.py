@@ -45,10 +45,11 @@ the consumers' matmuls and softmax rather than inside them:
                          already carries the keep bits, so a backward draws them once.
 
 The steps run over the query heads of the program's GQA group and, within a head, over the query blocks that see
-the program's keys. Scope, checked by `supported`: dense rows whose lengths divide the tiles, bf16/fp16, head dim
-64 or 128, causal (bottom-right aligned) or no mask, ALiBi slopes or none (each step takes its query head's slope),
-dropout at head dim 128, no window or softcap. Everything else, and every machine that is not sm_90 with Gluon,
-keeps the Triton kernel.
+the program's keys. Scope, checked by `supported`: dense rows of any lengths (a last key block's keys past seqlen_k
+are masked, `_step`'s MASK 3, and not stored; a last query block's rows past seqlen_q have P = 0 from their padded
+LSE), bf16/fp16, head dim 64 or 128, causal (bottom-right aligned) or no mask, ALiBi slopes or none (each step
+takes its query head's slope), dropout at head dim 128, no window or softcap. Everything else, and every machine
+that is not sm_90 with Gluon, keeps the Triton kernel.
 """
 
 from __future__ import annotations
@@ -252,12 +253,16 @@ def _producer(args, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
 
 @gluon.jit
 def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, ALIBI_SLOPES,
-          alibi_base, offs_m, offs_n, key0, shift, qk_scale, zero_s, a_layout: gl.constexpr,
+          alibi_base, offs_m, offs_n, key0, shift, seqlen_k, qk_scale, zero_s, a_layout: gl.constexpr,
           row_layout: gl.constexpr, MASK: gl.constexpr, HALF_N: gl.constexpr, STAGES: gl.constexpr,
           ALIBI: gl.constexpr, LSE_FIRST: gl.constexpr, dq_parts, WG: gl.constexpr, FUSED_DQ: gl.constexpr,
           keep_parts, DROPOUT: gl.constexpr):
     """Step i of a consumer: query block m0 of GQA head g into dK and dV. MASK: 0 none, 1 the causal mask, 2
-    the causal mask where the step crosses the diagonal (a branch per step). FUSED_DQ: dQ's share of the step
+    the causal mask where the step crosses the diagonal (a branch per step), 3 the keys past seqlen_k hidden (no
+    causal mask and seqlen_k not a multiple of BLOCK_N: KEY_TAIL; every step of every program takes it, as a branch
+    on the program's key block, with a second copy of the loop, made ptxas spill; the causal mask hides those keys by
+    itself). Queries past seqlen_q need no
+    mask: their LSE is +inf (ops.attn_bwd_impl pads it), so their P is 0. FUSED_DQ: dQ's share of the step
     too (`_fused_dq`; dq_parts its buffers and barriers, else unused). DROPOUT: the step's keep word from the
     drawer (keep_parts: the rings of keep words, consumer WG's slots WG * KEEP_SLOTS + the step's, their
     barriers, and 1 / (1 - p)); dV sums the kept Pᵀ dO unscaled (`_consumer` scales it once at the end), and
@@ -299,6 +304,8 @@ def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, rea
                 p_t = gl.where(_visible_tile(zero_s, m0 + shift - key0), p_t, 0.0)
             else:
                 p_t = _causal_mask(p_t, offs_n, offs_m, m0 + shift)
+    elif MASK == 3:
+        p_t = gl.where((offs_n < seqlen_k)[:, None], p_t, 0.0)
     if DROPOUT:
         keep = _keep_tile(word, zero_s)
         dv = warpgroup_mma(gl.convert_layout(gl.where(keep, p_t, 0.0).to(dtype), a_layout), do_s, dv,
@@ -323,6 +330,25 @@ def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, rea
         dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_s, dk, is_async=True)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))  # not carried into the next step: see the docstring
     return warpgroup_mma_init(dk), warpgroup_mma_init(dv)
+
+
+@gluon.jit
+def _steps(dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, ALIBI_SLOPES, alibi_base, offs_m,
+           offs_n, key0, shift, seqlen_k, m_lo, m_end, total, qk_scale, zero_s, a_layout: gl.constexpr,
+           row_layout: gl.constexpr, MASK: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
+           STAGES: gl.constexpr, ALIBI: gl.constexpr, LSE_FIRST: gl.constexpr, dq_parts, WG: gl.constexpr,
+           FUSED_DQ: gl.constexpr, keep_parts, DROPOUT: gl.constexpr):
+    """A consumer's `total` steps, each with mask MASK (`_step`), over the query blocks from m_lo of each head of
+    the GQA group in turn."""
+    g = 0
+    m0 = m_lo
+    for i in range(total):
+        dk, dv = _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty,
+                       ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, seqlen_k, qk_scale, zero_s, a_layout,
+                       row_layout, MASK, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, WG, FUSED_DQ, keep_parts,
+                       DROPOUT)
+        g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
+    return dk, dv
 
 
 @gluon.jit
@@ -390,11 +416,12 @@ def _dq_reducer(args, BLOCK_M: gl.constexpr):
 
 @gluon.jit
 def _consumer(args, ALIBI_SLOPES, dq_parts, keep_parts, WG: gl.constexpr, CAUSAL: gl.constexpr,
-              HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, STAGES: gl.constexpr,
-              ALIBI: gl.constexpr, REG_KV: gl.constexpr, LSE_FIRST: gl.constexpr, FUSED_DQ: gl.constexpr,
-              DROPOUT: gl.constexpr):
+              KEY_TAIL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
+              STAGES: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr, LSE_FIRST: gl.constexpr,
+              FUSED_DQ: gl.constexpr, DROPOUT: gl.constexpr):
     (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar, DK, DV, dk_base, stride_dks,
-     dv_base, stride_dvs, alibi_base, n0, shift, m_lo, m_end, total, group_size, qk_scale, softmax_scale) = args
+     dv_base, stride_dvs, alibi_base, n0, shift, seqlen_k, m_lo, m_end, total, group_size, qk_scale,
+     softmax_scale) = args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])  # (keys, queries)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -428,34 +455,41 @@ def _consumer(args, ALIBI_SLOPES, dq_parts, keep_parts, WG: gl.constexpr, CAUSAL
         for g in range(group_size):
             for j in range(n_diag):
                 dk, dv = _step(i, g, m_lo + j * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs,
-                               ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, qk_scale,
-                               zero_s, a_layout, row_layout, 1, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, WG,
-                               FUSED_DQ, keep_parts, DROPOUT)
+                               ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, seqlen_k,
+                               qk_scale, zero_s, a_layout, row_layout, 1, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts,
+                               WG, FUSED_DQ, keep_parts, DROPOUT)
                 i += 1
             for j in range(n_diag, n_mblocks):
                 dk, dv = _step(i, g, m_lo + j * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs,
-                               ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, qk_scale,
-                               zero_s, a_layout, row_layout, 0, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, WG,
-                               FUSED_DQ, keep_parts, DROPOUT)
+                               ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, seqlen_k,
+                               qk_scale, zero_s, a_layout, row_layout, 0, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts,
+                               WG, FUSED_DQ, keep_parts, DROPOUT)
                 i += 1
+    elif CAUSAL:
+        dk, dv = _steps(dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, ALIBI_SLOPES,
+                        alibi_base, offs_m, offs_n, key0, shift, seqlen_k, m_lo, m_end, total, qk_scale, zero_s,
+                        a_layout, row_layout, 2, BLOCK_M, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, WG, FUSED_DQ,
+                        keep_parts, DROPOUT)
     else:
-        g = 0
-        m0 = m_lo
-        for i in range(total):
-            dk, dv = _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty,
-                           ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, qk_scale, zero_s, a_layout,
-                           row_layout, 2 if CAUSAL else 0, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, WG, FUSED_DQ,
-                           keep_parts, DROPOUT)
-            g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
+        dk, dv = _steps(dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, ALIBI_SLOPES,
+                        alibi_base, offs_m, offs_n, key0, shift, seqlen_k, m_lo, m_end, total, qk_scale, zero_s,
+                        a_layout, row_layout, 3 if KEY_TAIL else 0, BLOCK_M, HALF_N, STAGES, ALIBI, LSE_FIRST,
+                        dq_parts, WG, FUSED_DQ, keep_parts, DROPOUT)
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
 
     dtype: gl.constexpr = q_bufs.dtype
     offs_key = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, acc_layout))
     offs_d = gl.arange(0, HEADDIM, layout=gl.SliceLayout(0, acc_layout))
-    gl.store(DK + dk_base + offs_key[:, None] * stride_dks + offs_d[None, :], (dk * softmax_scale).to(dtype))
     if DROPOUT:
         dv = dv * keep_parts[3]  # the kept Pᵀ dO, times 1 / (1 - p)
-    gl.store(DV + dv_base + offs_key[:, None] * stride_dvs + offs_d[None, :], dv.to(dtype))
+    dk_ptrs = DK + dk_base + offs_key[:, None] * stride_dks + offs_d[None, :]
+    dv_ptrs = DV + dv_base + offs_key[:, None] * stride_dvs + offs_d[None, :]
+    if KEY_TAIL:  # the rows past seqlen_k are not stored (the mask costs registers: kept to where it is needed)
+        gl.store(dk_ptrs, (dk * softmax_scale).to(dtype), mask=(offs_key < seqlen_k)[:, None])
+        gl.store(dv_ptrs, dv.to(dtype), mask=(offs_key < seqlen_k)[:, None])
+    else:
+        gl.store(dk_ptrs, (dk * softmax_scale).to(dtype))
+        gl.store(dv_ptrs, dv.to(dtype))
 
 
 @gluon.jit
@@ -464,8 +498,8 @@ def attn_bwd_dkdv_hopper_kernel(
     q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, dq_rows, dq_cols,  # see rows_view
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lse_b, stride_lse_h,
     stride_alibi_b, nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
-    CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
-    STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr,
+    CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr,
+    HALF_N: gl.constexpr, STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr,
     LSE_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FUSED_DQ: gl.constexpr,
     DROPOUT: gl.constexpr,
 ):
@@ -531,7 +565,7 @@ def attn_bwd_dkdv_hopper_kernel(
     alibi_base = off_b * stride_alibi_b + off_h0  # the slopes of the GQA group's query heads follow
     # the partitions' runtime arguments as tuples, their constexprs apart (a constexpr in a tuple is not one)
     consumer_args = (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar, DK, DV,
-                     dk_base, stride_dks, dv_base, stride_dvs, alibi_base, n0, shift, m_lo, m_end, total,
+                     dk_base, stride_dks, dv_base, stride_dvs, alibi_base, n0, shift, seqlen_k, m_lo, m_end, total,
                      group_size, qk_scale, softmax_scale)
     producer_args = (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
                      delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
@@ -546,10 +580,10 @@ def attn_bwd_dkdv_hopper_kernel(
     # the partition lists differ by member (warp_specialize takes literal lists); the consumers are alike in each
     if FUSED_DQ and DROPOUT:
         gl.warp_specialize([
-            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
-                         STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
-            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
-                         STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
+                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
+                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
             (_producer, (producer_args, BLOCK_M, STAGES)),
             (_dq_reducer, (reducer_args, BLOCK_M)),
             (_keep_drawer, (drawer_args, 0, BLOCK_M, HALF_N)),
@@ -557,29 +591,29 @@ def attn_bwd_dkdv_hopper_kernel(
         ], [4, 1, 1, 2, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     elif FUSED_DQ:
         gl.warp_specialize([
-            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
-                         STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
-            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
-                         STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
+                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
+                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
             (_producer, (producer_args, BLOCK_M, STAGES)),
             (_dq_reducer, (reducer_args, BLOCK_M)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     elif DROPOUT:  # a drawer partition (two warps) per consumer, each with its consumer's keys
         gl.warp_specialize([
-            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
-                         STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
-            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
-                         STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
+                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
+                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
             (_producer, (producer_args, BLOCK_M, STAGES)),
             (_keep_drawer, (drawer_args, 0, BLOCK_M, HALF_N)),
             (_keep_drawer, (drawer_args, 1, BLOCK_M, HALF_N)),
         ], [4, 1, 2, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
-                         STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
-            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, HEADDIM, BLOCK_M, HALF_N,
-                         STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
+                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+            (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
+                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
             (_producer, (producer_args, BLOCK_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -587,12 +621,10 @@ def attn_bwd_dkdv_hopper_kernel(
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, varlen: bool,
               max_seqlen_q: int, max_seqlen_k: int, window_left: int, window_right: int, softcap: float,
               dropout_p: float) -> bool:
-    """Whether this kernel covers the call: sm_90 with Gluon, dense rows whose lengths divide the tiles, bf16/fp16,
-    head dim 64 or 128, causal or unmasked, dropout at head dim 128. Anything else keeps the Triton kernel."""
-    if not sm90_dense_ok(q, k, v, dout, varlen=varlen, window_left=window_left, window_right=window_right,
-                         softcap=softcap, dropout_p=dropout_p, with_dropout=q.shape[-1] == 128):
-        return False
-    return max_seqlen_q % BLOCK_M[q.shape[-1]] == 0 and max_seqlen_k % BLOCK_N == 0
+    """Whether this kernel covers the call: sm_90 with Gluon, dense rows of any lengths, bf16/fp16, head dim 64 or
+    128, causal or unmasked, dropout at head dim 128. Anything else keeps the Triton kernel."""
+    return sm90_dense_ok(q, k, v, dout, varlen=varlen, window_left=window_left, window_right=window_right,
+                         softcap=softcap, dropout_p=dropout_p, with_dropout=q.shape[-1] == 128)
 
 
 def register_kv(headdim: int) -> bool:
@@ -660,11 +692,12 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
                   alibi_slopes=None, dq_accum=None, seed_offset=None, dropout_p: float = 0.0,
                   options: KernelOptions = DEFAULT, stream: int | None = None) -> None:
     """dK, dV (written into dk, dv) for a call `supported` accepted. q, dout: (B, Sq, H, D); k, v: (B, Sk, Hk, D);
-    lse, delta: (B, H, Sq) fp32 (natural-log LSE); qk_scale = softmax_scale * log2(e); alibi_slopes: None or
-    float32 (H,) / (B, H). dq_accum: None, or a zeroed fp32 (B, Sq, H, D) that dQ is added into (where `fuses_dq`;
-    not deterministic: the key blocks' reduce-adds land in any order). dropout_p > 0: the forward's keep bits, drawn
-    from seed_offset (ops.draw_seed_offset's int64 (seed, offset)); head dim 128. options: its register_kv,
-    dkdv_consumer_registers, head_group and cached_launch. stream: a raw CUDA stream handle to launch on (None: the
+    lse, delta: (B, H, >= Sq rounded up to BLOCK_M) fp32 (natural-log LSE), LSE +inf and delta 0 past Sq
+    (ops.attn_bwd_impl); qk_scale = softmax_scale * log2(e); alibi_slopes: None or float32 (H,) / (B, H).
+    dq_accum: None, or a zeroed fp32 (B, Sq, H, D) that dQ is added into (where `fuses_dq`; not deterministic: the
+    key blocks' reduce-adds land in any order). dropout_p > 0: the forward's keep bits, drawn from seed_offset
+    (ops.draw_seed_offset's int64 (seed, offset)); head dim 128. options: its register_kv, dkdv_consumer_registers,
+    head_group and cached_launch. stream: a raw CUDA stream handle to launch on (None: the
     current stream)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
@@ -695,7 +728,8 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
         nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
-        CAUSAL=causal, HEADDIM=headdim, BLOCK_M=block_m, HALF_N=HALF_N, STAGES=STAGES,
+        CAUSAL=causal, KEY_TAIL=seqlen_k % BLOCK_N != 0, HEADDIM=headdim, BLOCK_M=block_m, HALF_N=HALF_N,
+        STAGES=STAGES,
         HEAD_GROUP=head_group(causal, cdiv(seqlen_k, BLOCK_N), q.device, options.head_group),
         ALIBI=alibi_slopes is not None, REG_KV=register_kv(headdim) if reg_kv is None else reg_kv,
         LSE_FIRST=lse_first(headdim),

@@ -26,7 +26,7 @@ from flashpatch.kernels.config import head_group, persistent_grid, sm_count
 from flashpatch.kernels.launch import cdiv, launch
 from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
-    alibi_bias, allocate_kv_ring, allocate_query_barriers, descriptor, dropout_seed_offset, head_slope_log2,
+    alibi_bias, allocate_kv_ring, allocate_query_barriers, descriptor, dropout_seed_offset, head_slope_log2, key_limit,
     persistent_rounds, persistent_tile, philox_wide, producer_persistent, query_block_of_tile, query_block_program,
     sm90_dense_ok, stream_kv, tma_load)
 from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_rows, keep_from_words
@@ -81,10 +81,12 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_buf
 
 @gluon.jit
 def _dq_step(i, ring, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta, offs_m,
-             offs_n, shift, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p,
+             offs_n, shift, key_lim, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p,
              MASKED: gl.constexpr, DROPOUT: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr):
-    """Key block i into dq, from the ring's slot `ring` (= i but in a persistent program)."""
+    """Key block i into dq, from the ring's slot `ring` (= i but in a persistent program). MASKED: keys past each
+    row's key_lim (common.key_limit) hidden. Rows past seqlen_q have an LSE of +inf (ops.attn_bwd_impl pads it), so
+    their P is 0."""
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq.type.layout, k_width=2)
     s = ring % STAGES
     phase = (ring // STAGES) & 1
@@ -100,8 +102,8 @@ def _dq_step(i, ring, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, ze
     if ALIBI:
         scores += alibi_bias(alibi_log2, offs_m[:, None] + shift, (i * BLOCK_N + offs_n)[None, :])
     p = gl.exp2(scores - lse_log2[:, None])
-    if MASKED:  # bottom-right aligned: key n is visible from query m when n <= m + Sk - Sq
-        p = gl.where((i * BLOCK_N + offs_n)[None, :] <= offs_m[:, None] + shift, p, 0.0)
+    if MASKED:
+        p = gl.where((i * BLOCK_N + offs_n)[None, :] <= key_lim[:, None], p, 0.0)
     dp = warpgroup_mma_wait(0, deps=(dp, ))
     if DROPOUT:
         dp = gl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
@@ -115,9 +117,9 @@ def _dq_step(i, ring, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, ze
 @gluon.jit
 def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_bar, DQ, LSE, DELTA, dq_base,
                  stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale, alibi_log2,
-                 SEED_OFFSET, drop_rows, seqlen_k, dropout_p, WG: gl.constexpr, HEADDIM: gl.constexpr,
-                 HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DROPOUT: gl.constexpr,
-                 ALIBI: gl.constexpr):
+                 SEED_OFFSET, drop_rows, seqlen_q, seqlen_k, dropout_p, CAUSAL: gl.constexpr, WG: gl.constexpr,
+                 HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 DROPOUT: gl.constexpr, ALIBI: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -133,15 +135,16 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_b
     seed, offset = dropout_seed_offset(SEED_OFFSET, DROPOUT)
     drop_rows = drop_rows + WG * HALF_M // 2  # this warpgroup's first counter row
 
+    key_lim = key_limit(offs_m, shift, seqlen_k, CAUSAL)
     dq = _dq_block(dq, q_s, do_s, qdo_bar, 0, 0, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta,
-                   offs_m, offs_n, shift, n_full, n_steps, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k,
-                   dropout_p, DROPOUT, ALIBI, BLOCK_N, STAGES, False)
-    _dq_store(dq, DQ, dq_base, stride_dqs, m0 + WG * HALF_M, softmax_scale, q_s.dtype, HEADDIM, HALF_M)
+                   offs_m, offs_n, shift, key_lim, n_full, n_steps, qk_scale, alibi_log2, seed, offset, drop_rows,
+                   seqlen_k, dropout_p, DROPOUT, ALIBI, BLOCK_N, STAGES, False)
+    _dq_store(dq, DQ, dq_base, stride_dqs, m0 + WG * HALF_M, seqlen_q, softmax_scale, q_s.dtype, HEADDIM, HALF_M)
 
 
 @gluon.jit
 def _dq_block(dq, q_s, do_s, qdo_bar, qdo_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2,
-              delta, offs_m, offs_n, shift, n_full, n_steps, qk_scale, alibi_log2, seed, offset, drop_rows,
+              delta, offs_m, offs_n, shift, key_lim, n_full, n_steps, qk_scale, alibi_log2, seed, offset, drop_rows,
               seqlen_k, dropout_p, DROPOUT: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, ONE_LOOP: gl.constexpr):
     """A consumer warpgroup's query rows offs_m, once their Q and dO have landed (qdo_bar's phase qdo_phase): the
@@ -153,32 +156,33 @@ def _dq_block(dq, q_s, do_s, qdo_bar, qdo_phase, ring, k_bufs, v_bufs, ready_k, 
         for i in range(0, n_steps):
             if i < n_full:
                 dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
-                              lse_log2, delta, offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset,
+                              lse_log2, delta, offs_m, offs_n, shift, key_lim, qk_scale, alibi_log2, seed, offset,
                               drop_rows, seqlen_k, dropout_p, False, DROPOUT, ALIBI, BLOCK_N, STAGES)
             else:
                 dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
-                              lse_log2, delta, offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset,
+                              lse_log2, delta, offs_m, offs_n, shift, key_lim, qk_scale, alibi_log2, seed, offset,
                               drop_rows, seqlen_k, dropout_p, True, DROPOUT, ALIBI, BLOCK_N, STAGES)
     else:
         for i in range(0, n_full):
             dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2,
-                          delta, offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k,
-                          dropout_p, False, DROPOUT, ALIBI, BLOCK_N, STAGES)
+                          delta, offs_m, offs_n, shift, key_lim, qk_scale, alibi_log2, seed, offset, drop_rows,
+                          seqlen_k, dropout_p, False, DROPOUT, ALIBI, BLOCK_N, STAGES)
         for i in range(n_full, n_steps):
             dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2,
-                          delta, offs_m, offs_n, shift, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k,
-                          dropout_p, True, DROPOUT, ALIBI, BLOCK_N, STAGES)
+                          delta, offs_m, offs_n, shift, key_lim, qk_scale, alibi_log2, seed, offset, drop_rows,
+                          seqlen_k, dropout_p, True, DROPOUT, ALIBI, BLOCK_N, STAGES)
     return dq
 
 
 @gluon.jit
-def _dq_store(dq, DQ, dq_base, stride_dqs, row0, softmax_scale, dtype: gl.constexpr, HEADDIM: gl.constexpr,
-              HALF_M: gl.constexpr):
-    """dQ = softmax_scale * dq of a warpgroup's HALF_M queries from row0."""
+def _dq_store(dq, DQ, dq_base, stride_dqs, row0, seqlen_q, softmax_scale, dtype: gl.constexpr,
+              HEADDIM: gl.constexpr, HALF_M: gl.constexpr):
+    """dQ = softmax_scale * dq of a warpgroup's HALF_M queries from row0, those before seqlen_q."""
     o_layout: gl.constexpr = dq.type.layout
     rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
     offs_d = gl.arange(0, HEADDIM, layout=gl.SliceLayout(0, o_layout))
-    gl.store(DQ + dq_base + rows[:, None] * stride_dqs + offs_d[None, :], (dq * softmax_scale).to(dtype))
+    gl.store(DQ + dq_base + rows[:, None] * stride_dqs + offs_d[None, :], (dq * softmax_scale).to(dtype),
+             mask=(rows < seqlen_q)[:, None])
 
 
 @gluon.jit
@@ -208,6 +212,7 @@ def _dq_consumer_persistent(q_bufs, do_bufs, k_bufs, v_bufs, ready_k, ready_v, e
                 tile, num_bh, seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_GROUP)
             lse_base = off_b * stride_lse_b + off_h * stride_lse_h
             offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+            key_lim = key_limit(offs_m, shift, seqlen_k, CAUSAL)
             lse_log2 = gl.load(LSE + lse_base + offs_m) * 1.4426950408889634
             delta = gl.load(DELTA + lse_base + offs_m)
             alibi_log2 = head_slope_log2(ALIBI_SLOPES, off_b * stride_alibi_b + off_h, ALIBI)
@@ -218,11 +223,11 @@ def _dq_consumer_persistent(q_bufs, do_bufs, k_bufs, v_bufs, ready_k, ready_v, e
             do_s = do_bufs.index(qb).slice(WG * HALF_M, HALF_M)
             dq = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
             dq = _dq_block(dq, q_s, do_s, qdo_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs, ready_k,
-                           ready_v, empty, zero_s, lse_log2, delta, offs_m, offs_n, shift, n_full, n_steps,
+                           ready_v, empty, zero_s, lse_log2, delta, offs_m, offs_n, shift, key_lim, n_full, n_steps,
                            qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p, DROPOUT, ALIBI,
                            BLOCK_N, STAGES, True)
             mbarrier.arrive(qdo_empty.index(qb))
-            _dq_store(dq, DQ, off_b * stride_dqb + off_h * stride_dqh, stride_dqs, m0 + WG * HALF_M,
+            _dq_store(dq, DQ, off_b * stride_dqb + off_h * stride_dqh, stride_dqs, m0 + WG * HALF_M, seqlen_q,
                       softmax_scale, q_s.dtype, HEADDIM, HALF_M)
             ring += n_steps
             done += 1
@@ -293,12 +298,12 @@ def attn_bwd_dq_hopper_kernel(
     gl.warp_specialize([
         (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_bar, DQ, LSE, DELTA,
                         dq_base, stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale,
-                        alibi_log2, SEED_OFFSET, drop_rows, seqlen_k, dropout_p, 0, HEADDIM, HALF_M, BLOCK_N,
-                        STAGES, DROPOUT, ALIBI)),
+                        alibi_log2, SEED_OFFSET, drop_rows, seqlen_q, seqlen_k, dropout_p, CAUSAL, 0, HEADDIM,
+                        HALF_M, BLOCK_N, STAGES, DROPOUT, ALIBI)),
         (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_bar, DQ, LSE, DELTA,
                         dq_base, stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale,
-                        alibi_log2, SEED_OFFSET, drop_rows, seqlen_k, dropout_p, 1, HEADDIM, HALF_M, BLOCK_N,
-                        STAGES, DROPOUT, ALIBI)),
+                        alibi_log2, SEED_OFFSET, drop_rows, seqlen_q, seqlen_k, dropout_p, CAUSAL, 1, HEADDIM,
+                        HALF_M, BLOCK_N, STAGES, DROPOUT, ALIBI)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v,
                         empty, qdo_bar,
                         off_b * q_rows[0] + off_h * q_rows[1] + m0, off_h * q_cols,
@@ -312,17 +317,16 @@ def attn_bwd_dq_hopper_kernel(
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, varlen: bool,
               max_seqlen_q: int, max_seqlen_k: int, window_left: int, window_right: int, softcap: float,
               dropout_p: float) -> bool:
-    """common.sm90_dense_ok, with dropout, and lengths that divide the tiles (the 2-D TMA views run on into
-    the next head's rows)."""
-    return (sm90_dense_ok(q, k, v, dout, varlen=varlen, window_left=window_left, window_right=window_right,
-                          softcap=softcap, dropout_p=dropout_p, with_dropout=True)
-            and max_seqlen_q % BLOCK_M == 0 and max_seqlen_k % BLOCK_N == 0)
+    """common.sm90_dense_ok, with dropout, any lengths (the forward's bounds: fwd.supported)."""
+    return sm90_dense_ok(q, k, v, dout, varlen=varlen, window_left=window_left, window_right=window_right,
+                         softcap=softcap, dropout_p=dropout_p, with_dropout=True)
 
 
 def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: float, causal: bool,
                 seed_offset=None, dropout_p: float = 0.0, alibi_slopes=None, beside_dkdv: bool = False,
                 options: KernelOptions = DEFAULT) -> None:
-    """dQ (written into dq, (B, Sq, H, D)) for a call `supported` accepted; lse, delta: (B, H, Sq) fp32;
+    """dQ (written into dq, (B, Sq, H, D)) for a call `supported` accepted; lse, delta: (B, H, >= Sq rounded up to
+    BLOCK_M) fp32, LSE +inf and delta 0 past Sq (ops.attn_bwd_impl);
     seed_offset: the forward's (2,) int64 (ops.draw_seed_offset) when dropout_p > 0; alibi_slopes: None or float32
     (H,) / (B, H); beside_dkdv: the dK/dV kernel runs at the same time on another stream (config.persistent_grid);
     options: its persistent_dq, head_group and cached_launch."""

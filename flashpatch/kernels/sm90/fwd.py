@@ -12,9 +12,10 @@ No consumer waits for another, so one's softmax runs under the others' matmuls (
 that measured slower). Causal masks are bottom-right aligned; the steps that cross the diagonal run a masked copy of
 the step, the others none. ALiBi slopes, when given (ALIBI), add -slope * |i + Sk - Sq - j| to every step's scores
 (`alibi_bias`). LSE is stored in natural log, +inf for a row that sees no key (its output is 0), as the Triton
-forward does (triton/forward.py), so both backward kernels take it. Scope: `supported` (with three consumers the
-last query block may run past the rows, which TMA fills from the next head's rows or with zeros, and the stores
-skip).
+forward does (triton/forward.py), so both backward kernels take it. Scope: `supported`. Lengths need not divide the
+tiles: the 2-D TMA views run on past a sequence's end into the next head's or batch's rows (or zeros past the
+tensor), so a last query block computes rows that its masked stores skip, and a last key block's keys past seqlen_k
+are masked like a causal diagonal (common.key_limit).
 
 A persistent grid (`_persistent_fwd`, where config.persistent_grid chooses it: head dim 128) launches one program per
 SM instead, each looping over query blocks, so that a block's Q load and first K/V blocks run under the previous
@@ -46,8 +47,8 @@ from flashpatch.kernels.launch import cdiv, launch
 from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     allocate_keep_ring, allocate_kv_ring, allocate_query_barriers, alibi_bias, carry_addend, carry_shift_in_ptx,
-    descriptor, dropout_seed_offset, head_slope_log2, kept_dims, persistent_rounds, persistent_tile, philox_wide,
-    producer_persistent, query_block_of_tile, query_block_program, sm90_dense_ok, stream_kv, tma_load)
+    descriptor, dropout_seed_offset, head_slope_log2, kept_dims, key_limit, persistent_rounds, persistent_tile,
+    philox_wide, producer_persistent, query_block_of_tile, query_block_program, sm90_dense_ok, stream_kv, tma_load)
 from flashpatch.kernels.sm90.schedule import causal_schedule_tensor
 from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_rows
 
@@ -185,7 +186,7 @@ def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready
 
 @gluon.jit
 def _fwd_step(i, ring, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
-              shift, qk_scale, alibi_log2, MASKED: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
+              shift, key_lim, qk_scale, alibi_log2, MASKED: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, FOLD: gl.constexpr, keep_parts, WG: gl.constexpr, DROPOUT: gl.constexpr):
     """Key block i into (acc, m_i, l_i), from the ring's slot `ring` (= i but in a persistent program); offs_n:
     the block's key indices relative to its start. DROPOUT: the step's keep words from consumer WG's drawer
@@ -203,8 +204,8 @@ def _fwd_step(i, ring, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, emp
         mbarrier.wait(keep_full.index(keep_slot), (i // KEEP_SLOTS) & 1)
         words = keep_bufs.index(keep_slot).load(FWD_KEEP_WORDS)
     qk = warpgroup_mma_wait(0, deps=(qk, ))  # (HALF_M, BLOCK_N)
-    p, m_new, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2, MASKED,
-                                           ALIBI, BLOCK_N, FOLD)
+    p, m_new, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, qk_scale, alibi_log2,
+                                           MASKED, ALIBI, BLOCK_N, FOLD)
     if DROPOUT:
         p = gl.where(_fwd_keep_tile(words, p), p, 0.0)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
@@ -218,10 +219,10 @@ def _fwd_step(i, ring, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, emp
 
 
 @gluon.jit
-def _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2, MASKED: gl.constexpr,
+def _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, qk_scale, alibi_log2, MASKED: gl.constexpr,
                     ALIBI: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr):
     """Scores of key block i into (P, new running max, new running sum, rescale factor of the old sums); the
-    running max is in log2 units.
+    running max is in log2 units. MASKED: keys past each row's key_lim (common.key_limit) hidden.
 
     FOLD (ignored with ALiBi, whose bias is added to the scaled scores): the row max is taken over the raw
     scores and scaled once per row, and the scale goes into the exponent's subtraction as one fused
@@ -235,9 +236,8 @@ def _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2
         if ALIBI:
             scores += alibi_bias(alibi_log2, offs_m[:, None] + shift, (i * BLOCK_N + offs_n)[None, :])
         scale = 1.0
-    if MASKED:  # bottom-right aligned: key n is visible from query m when n <= m + Sk - Sq
-        visible = (i * BLOCK_N + offs_n)[None, :] <= offs_m[:, None] + shift
-        scores = gl.where(visible, scores, float("-inf"))
+    if MASKED:
+        scores = gl.where((i * BLOCK_N + offs_n)[None, :] <= key_lim[:, None], scores, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(scores, axis=1) * scale)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet stays at 0
     alpha = gl.exp2(m_i - m_safe)
@@ -247,7 +247,7 @@ def _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2
 
 @gluon.jit
 def _fwd_consumer(q_s, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base, stride_os, lse_base,
-                  m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q,
+                  m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q, seqlen_k, CAUSAL: gl.constexpr,
                   WG: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr, keep_parts, keep_fraction,
                   DROPOUT: gl.constexpr):
@@ -259,8 +259,9 @@ def _fwd_consumer(q_s, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o
     offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+    key_lim = key_limit(offs_m, shift, seqlen_k, CAUSAL)
     acc, m_i, l_i = _fwd_block(q_s, q_bar, 0, 0, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
-                               shift, n_full, n_steps, qk_scale, alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES,
+                               shift, key_lim, n_full, n_steps, qk_scale, alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES,
                                ALIBI, FOLD, keep_parts, WG, DROPOUT)
     _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, m0 + WG * HALF_M, seqlen_q,
                   q_s.dtype, HEADDIM, HALF_M, keep_fraction, DROPOUT)
@@ -268,7 +269,7 @@ def _fwd_consumer(q_s, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o
 
 @gluon.jit
 def _fwd_block(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift,
-               n_full, n_steps, qk_scale, alibi_log2, HEADDIM: gl.constexpr, HALF_M: gl.constexpr,
+               key_lim, n_full, n_steps, qk_scale, alibi_log2, HEADDIM: gl.constexpr, HALF_M: gl.constexpr,
                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr, keep_parts,
                WG: gl.constexpr, DROPOUT: gl.constexpr):
     """A consumer warpgroup's HALF_M query rows offs_m in a program of one query block, once their Q has landed
@@ -284,19 +285,20 @@ def _fwd_block(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empt
     mbarrier.wait(q_bar, q_phase)
     for i in range(0, n_full):
         acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
-                                  zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, False, ALIBI, BLOCK_N,
+                                  zero_s, offs_m, offs_n, shift, key_lim, qk_scale, alibi_log2, False, ALIBI, BLOCK_N,
                                   STAGES, FOLD, keep_parts, WG, DROPOUT)
     for i in range(n_full, n_steps):
         acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
-                                  zero_s, offs_m, offs_n, shift, qk_scale, alibi_log2, True, ALIBI, BLOCK_N,
+                                  zero_s, offs_m, offs_n, shift, key_lim, qk_scale, alibi_log2, True, ALIBI, BLOCK_N,
                                   STAGES, FOLD, keep_parts, WG, DROPOUT)
     return acc, m_i, l_i
 
 
 @gluon.jit
 def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
-                         shift, n_full, n_steps, qk_scale, alibi_log2, HEADDIM: gl.constexpr, HALF_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr):
+                         shift, key_lim, n_full, n_steps, qk_scale, alibi_log2, HEADDIM: gl.constexpr,
+                         HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr,
+                         FOLD: gl.constexpr):
     """`_fwd_block` (no dropout) for a persistent program's consumer, software-pipelined by one matmul: step i
     issues block i - 1's P V and then block i's S = Q Kᵀ and waits for both at once, so the tensor core runs them
     back to back instead of idling while the warpgroup waits for P V, releases the slot, and issues the next S. P is
@@ -321,8 +323,8 @@ def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, rea
         qk = warpgroup_mma(q_s, k_bufs.index(ring % STAGES).permute((1, 0)), zero_s, use_acc=False,
                            is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
-        p_op, acc, m_i, l_i = _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, 0, n_full, shift, qk_scale,
-                                            alibi_log2, q_s.dtype, a_layout, ALIBI, BLOCK_N, FOLD)
+        p_op, acc, m_i, l_i = _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, 0, n_full, shift, key_lim,
+                                                 qk_scale, alibi_log2, q_s.dtype, a_layout, ALIBI, BLOCK_N, FOLD)
     for i in range(1, n_steps):
         prev = (ring + i - 1) % STAGES
         mbarrier.wait(ready_v.index(prev), ((ring + i - 1) // STAGES) & 1)
@@ -332,8 +334,8 @@ def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, rea
         qk = warpgroup_mma(q_s, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         qk, acc = warpgroup_mma_wait(0, deps=(qk, pv))
         mbarrier.arrive(empty.index(prev))
-        p_op, acc, m_i, l_i = _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_full, shift, qk_scale,
-                                            alibi_log2, q_s.dtype, a_layout, ALIBI, BLOCK_N, FOLD)
+        p_op, acc, m_i, l_i = _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_full, shift, key_lim,
+                                                 qk_scale, alibi_log2, q_s.dtype, a_layout, ALIBI, BLOCK_N, FOLD)
     if n_steps > 0:  # the last block's P V
         last = (ring + n_steps - 1) % STAGES
         mbarrier.wait(ready_v.index(last), ((ring + n_steps - 1) // STAGES) & 1)
@@ -344,17 +346,17 @@ def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, rea
 
 
 @gluon.jit
-def _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_full, shift, qk_scale, alibi_log2,
-                  dtype: gl.constexpr, a_layout: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
+def _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_full, shift, key_lim, qk_scale, alibi_log2,
+                       dtype: gl.constexpr, a_layout: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
                   FOLD: gl.constexpr):
     """`_fwd_block_pipelined`'s step after its wait: block i's scores into P (the next P V's A operand: dtype,
     a_layout), masked past the first n_full blocks, and acc rescaled by the running max's change."""
     if i < n_full:
-        p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2, False,
-                                             ALIBI, BLOCK_N, FOLD)
+        p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, qk_scale, alibi_log2,
+                                             False, ALIBI, BLOCK_N, FOLD)
     else:
-        p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, qk_scale, alibi_log2, True,
-                                             ALIBI, BLOCK_N, FOLD)
+        p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, qk_scale, alibi_log2,
+                                             True, ALIBI, BLOCK_N, FOLD)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
     return gl.convert_layout(p.to(dtype), a_layout), acc, m_i, l_i
 
@@ -405,8 +407,10 @@ def _fwd_consumer_persistent(q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_
             qb = done % 2
             q_s = q_bufs.index(qb).slice(WG * HALF_M, HALF_M)  # (HALF_M, D)
             offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+            key_lim = key_limit(offs_m, shift, seqlen_k, CAUSAL)
             acc, m_i, l_i = _fwd_block_pipelined(q_s, q_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs,
-                                                 ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift, n_full,
+                                                 ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift, key_lim,
+                                                 n_full,
                                                  n_steps, qk_scale, alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES,
                                                  ALIBI, FOLD)
             mbarrier.arrive(q_empty.index(qb))
@@ -459,12 +463,12 @@ def attn_fwd_hopper_kernel(
         gl.warp_specialize([
             (_fwd_consumer, (q_smem.index(0).slice(0, HALF_M), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O,
                              LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2,
-                             seqlen_q, 0, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, keep_parts,
-                             1.0 - dropout_p, True)),
+                             seqlen_q, seqlen_k, CAUSAL, 0, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD,
+                             keep_parts, 1.0 - dropout_p, True)),
             (_fwd_consumer, (q_smem.index(0).slice(HALF_M, HALF_M), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
                              O, LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2,
-                             seqlen_q, 1, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, keep_parts,
-                             1.0 - dropout_p, True)),
+                             seqlen_q, seqlen_k, CAUSAL, 1, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD,
+                             keep_parts, 1.0 - dropout_p, True)),
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
                              q_row, off_h * q_cols, k_row, off_hk * k_cols, v_row, off_hk * v_cols, n_steps,
                              BLOCK_N, STAGES, Q_TILES)),
@@ -474,14 +478,14 @@ def attn_fwd_hopper_kernel(
     elif CONSUMERS == 3:  # head dim 64 (CONSUMERS_BY_HEADDIM): 13 warps share the register file
         gl.warp_specialize([
             (_fwd_consumer, (q_smem.index(0), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base,
-                             stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q, 0,
-                             HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False)),
+                             stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q,
+                             seqlen_k, CAUSAL, 0, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False)),
             (_fwd_consumer, (q_smem.index(1), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base,
-                             stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q, 1,
-                             HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False)),
+                             stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q,
+                             seqlen_k, CAUSAL, 1, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False)),
             (_fwd_consumer, (q_smem.index(2), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base,
-                             stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q, 2,
-                             HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False)),
+                             stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q,
+                             seqlen_k, CAUSAL, 2, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False)),
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
                              q_row, off_h * q_cols, k_row, off_hk * k_cols, v_row, off_hk * v_cols, n_steps,
                              BLOCK_N, STAGES, Q_TILES)),
@@ -490,10 +494,12 @@ def attn_fwd_hopper_kernel(
         gl.warp_specialize([
             (_fwd_consumer, (q_smem.index(0).slice(0, HALF_M), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O,
                              LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2,
-                             seqlen_q, 0, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False)),
+                             seqlen_q, seqlen_k, CAUSAL, 0, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0,
+                             False)),
             (_fwd_consumer, (q_smem.index(0).slice(HALF_M, HALF_M), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
                              O, LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2,
-                             seqlen_q, 1, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False)),
+                             seqlen_q, seqlen_k, CAUSAL, 1, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0,
+                             False)),
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
                              q_row, off_h * q_cols, k_row, off_hk * k_cols, v_row, off_hk * v_cols, n_steps,
                              BLOCK_N, STAGES, Q_TILES)),
@@ -544,12 +550,11 @@ def dropout_registers() -> tuple[int, int, int]:
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool, max_seqlen_q: int,
               max_seqlen_k: int, window_left: int, window_right: int, softcap: float, dropout_p: float) -> bool:
-    """Whether this kernel covers the call (common.sm90_dense_ok, dropout at head dim 128, and lengths that
-    divide 128: the 2-D TMA views run on into the next head's rows, which only the three-consumer form's 192-query
-    blocks, whose stores are masked, may read)."""
-    return (sm90_dense_ok(q, k, v, varlen=varlen, window_left=window_left, window_right=window_right,
-                          softcap=softcap, dropout_p=dropout_p, with_dropout=q.shape[-1] == 128)
-            and max_seqlen_q % BLOCK_M == 0 and max_seqlen_k % BLOCK_N == 0)
+    """Whether this kernel covers the call: common.sm90_dense_ok, with dropout at head dim 128. Any lengths: a last
+    query block past seqlen_q computes rows that are never stored, and a last key block past seqlen_k is masked
+    (common.key_limit)."""
+    return sm90_dense_ok(q, k, v, varlen=varlen, window_left=window_left, window_right=window_right, softcap=softcap,
+                         dropout_p=dropout_p, with_dropout=q.shape[-1] == 128)
 
 
 def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None, fold: bool = False,

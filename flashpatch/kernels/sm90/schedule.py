@@ -75,7 +75,7 @@ def causal_schedule_tensor(num_bh: int, seqlen_q: int, seqlen_k: int, block_m: i
     where it is not built yet and the stream is capturing a CUDA graph, which a host-to-device copy would break (the
     caller falls back to the closed form: the same results, tile for tile). Building one costs ~1 us of host time
     a tile (2 ms at 2048 tiles, 34 ms at 8 x 64 heads x n8192's 32768, on a 2-core CI machine), once per
-    shape: the Gluon path takes lengths in multiples of 128 only, so a run meets few shapes."""
+    shape (lengths within one 128-row block share a table only if they are equal; a training run meets few)."""
     key = (num_bh, seqlen_q, seqlen_k, block_m, block_n, head_group, programs, device)
     if key not in _TABLES:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

@@ -22,13 +22,18 @@ from flashpatch.kernels.triton.common import (
 
 @triton.jit(do_not_specialize=["max_seqlen_q", "stride_lse_b", "stride_lse_h"])
 def attn_bwd_preprocess_kernel(
-    O, DO, DELTA, CU_SEQLENS_Q,
+    O, DO, DELTA, LSE, LSE_PADDED, CU_SEQLENS_Q,
     stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
-    stride_lse_b, stride_lse_h,
-    nheads, max_seqlen_q,
+    stride_lse_b, stride_lse_h,  # DELTA's and LSE_PADDED's
+    stride_lse_in_b, stride_lse_in_h,  # LSE's (PAD only)
+    nheads, max_seqlen_q, padded_rows,
     HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
+    PAD: tl.constexpr,
 ):
+    """delta = rowsum(dO * O) per query row. PAD (dense rows): also the forward's LSE copied into LSE_PADDED, whose
+    rows run on to padded_rows with LSE +inf and delta 0, so that a kernel reading whole tiles past seqlen_q gets
+    P = 0 there (the Gluon backward kernels)."""
     off_bh = tl.program_id(0)  # batch * heads on axis 0: its limit is 2^31 - 1, axis 1's is 65535
     pid_m = tl.program_id(1)
     off_b = (off_bh // nheads).to(tl.int64)
@@ -42,7 +47,14 @@ def attn_bwd_preprocess_kernel(
     do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + rows * stride_dos + offs_d[None, :], mask=mask,
                  other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + off_b * stride_lse_b + off_h * stride_lse_h + q_start + offs_m, delta, mask=offs_m < seqlen_q)
+    row_base = off_b * stride_lse_b + off_h * stride_lse_h + q_start
+    if PAD:
+        lse = tl.load(LSE + off_b * stride_lse_in_b + off_h * stride_lse_in_h + offs_m, mask=offs_m < seqlen_q,
+                      other=float("inf"))
+        tl.store(LSE_PADDED + row_base + offs_m, lse, mask=offs_m < padded_rows)
+        tl.store(DELTA + row_base + offs_m, delta, mask=offs_m < padded_rows)
+    else:
+        tl.store(DELTA + row_base + offs_m, delta, mask=offs_m < seqlen_q)
 
 
 @triton.jit
