@@ -145,7 +145,7 @@ def compare(cfg, accelerator, batches, tokenizer, skip_reasons: dict, build_trai
     local_mem = torch.tensor([per[i]["memory"] + [per[i]["rss"]] for i in names], dtype=torch.float64)
     ranked = accelerator.gather(local.to(device)).view(world, *local.shape).cpu()
     memory = accelerator.gather(local_mem.to(device)).view(world, len(names), 3).cpu()
-    del model, optimizer, scheduler, unwrapped
+    model = optimizer = scheduler = unwrapped = None  # freed: the turn closures refer to these names, so no `del`
     accelerator.free_memory()
 
     peak, _ = measure.peak_tflops(device, cfg.peak_tflops)

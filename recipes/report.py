@@ -106,12 +106,14 @@ def parity_table(report: dict) -> str:
 
 
 def history_case(report: dict) -> str:
-    """The run as one history.csv case: config name, data mode, shape, ranks, precision (and compile mode)."""
+    """The run as one history.csv case: config name, data mode, shape, ranks, precision (and compile mode, kernel
+    options)."""
     cfg, env = report["config"], report["environment"]
     precision = "fp32" if env.get("mixed_precision") in (None, "no") else env["mixed_precision"]
     compiled = f" compile {cfg['compile']}" if cfg.get("compile") else ""
+    kernels = f" kernel_options {cfg['kernel_options']}" if env.get("kernel_options") else ""
     return (f"{cfg['name']} {cfg['data_mode']} seq {cfg['seq_len']} batch {cfg['batch_size']}x"
-            f"{env.get('world_size', 1)} {precision}{compiled}")
+            f"{env.get('world_size', 1)} {precision}{compiled}{kernels}")
 
 
 def history_figures(report: dict) -> list[tuple[str, str, str, float]]:

@@ -37,7 +37,7 @@ if str(REPO) not in sys.path:
 import measure  # noqa: E402  (recipes/ is sys.path[0] when this file is run)
 import ranking  # noqa: E402
 import report  # noqa: E402
-from train_config import CUDA_GRAPH_MODES, TrainConfig, parse_config, to_dict  # noqa: E402
+from train_config import CUDA_GRAPH_MODES, TrainConfig, parse_config, parse_kernel_options, to_dict  # noqa: E402
 
 OOM_ERRORS = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),)
 
@@ -50,6 +50,22 @@ def import_flashpatch():
         return flashpatch, None
     except Exception as exc:  # noqa: BLE001 - any import failure is reported, not raised
         return None, f"import flashpatch failed: {type(exc).__name__}: {exc}"
+
+
+def kernel_options(cfg: TrainConfig, flashpatch):
+    """(context, kwargs): `flashpatch.kernels.options.override(**kwargs)` for the run's `kernel_options`, checked
+    against flashpatch's option names before anything runs; a null context when there are none or flashpatch did not
+    import (its rows are skipped then)."""
+    kwargs = parse_kernel_options(cfg.kernel_options)
+    if not kwargs or flashpatch is None:
+        return contextlib.nullcontext(), kwargs
+    from flashpatch.kernels import options
+
+    try:
+        options.updated(options.current(), **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"kernel_options {cfg.kernel_options!r}: {exc}") from exc
+    return options.override(**kwargs), kwargs
 
 
 def import_corpus():
@@ -323,7 +339,7 @@ def run_implementation(impl: str, cfg: TrainConfig, accelerator, batches, tokeni
     return result
 
 
-def environment(accelerator, flashpatch, fp_error, cfg: TrainConfig) -> dict:
+def environment(accelerator, flashpatch, fp_error, cfg: TrainConfig, kernel_kwargs: dict | None = None) -> dict:
     import accelerate
     import transformers
     import triton
@@ -353,6 +369,8 @@ def environment(accelerator, flashpatch, fp_error, cfg: TrainConfig) -> dict:
         "datasets": datasets_version,
         "flashpatch": getattr(flashpatch, "__version__", None),
         "flashpatch_error": fp_error,
+        # what flashpatch.kernels.options.override got for the whole run ({}: the defaults)
+        "kernel_options": kernel_kwargs or {},
     }
 
 
@@ -383,26 +401,28 @@ def main(argv: list[str] | None = None) -> dict:
     # cpu=True without CUDA: under a multi-process launch the ranks then form one gloo group (MULTI_CPU).
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.mixed_precision or None)
     flashpatch, fp_error = import_flashpatch()
+    kernel_context, kernel_kwargs = kernel_options(cfg, flashpatch)  # a bad name stops the run here
     corpus = import_corpus()
 
     tokenizer = make_tokenizer(cfg, corpus)
     num_batches = cfg.warmup_steps + cfg.steps * max(cfg.rounds, 1)
     dataset, batches = recipe_batches(cfg, accelerator, corpus, tokenizer, num_batches)
 
-    if cfg.rounds:  # ranking mode: the implementations take turns on one model
-        skip = {"fpatch": fp_error, "fpatch_pf": fp_error}
-        results, ranked = ranking.compare(cfg, accelerator, batches, tokenizer, skip, build_training, train_step,
-                                          device_inputs)
-    else:
-        results, ranked = [], None
-        for impl in cfg.implementations:
-            reason = fp_error if impl.startswith("fpatch") else None
-            results.append(run_implementation(impl, cfg, accelerator, batches, tokenizer, reason))
-            accelerator.wait_for_everyone()
+    with kernel_context:  # the kernel forms only flashpatch's rows launch; the other rows ignore them
+        if cfg.rounds:  # ranking mode: the implementations take turns on one model
+            skip = {"fpatch": fp_error, "fpatch_pf": fp_error}
+            results, ranked = ranking.compare(cfg, accelerator, batches, tokenizer, skip, build_training, train_step,
+                                              device_inputs)
+        else:
+            results, ranked = [], None
+            for impl in cfg.implementations:
+                reason = fp_error if impl.startswith("fpatch") else None
+                results.append(run_implementation(impl, cfg, accelerator, batches, tokenizer, reason))
+                accelerator.wait_for_everyone()
 
     out = {
         "config": to_dict(cfg),
-        "environment": environment(accelerator, flashpatch, fp_error, cfg),
+        "environment": environment(accelerator, flashpatch, fp_error, cfg, kernel_kwargs),
         "data": {
             "documents": len(dataset),
             "note": "padded and unpadded modes make the same padded batches; eager/sdpa/flex run them padded; "
@@ -431,7 +451,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"\n## {cfg.name}: {cfg.data_mode}, seq {cfg.seq_len}, batch {cfg.batch_size} x "
             f"{accelerator.num_processes}, {out['environment']['device_name']}, "
             f"{'fp32' if accelerator.mixed_precision == 'no' else accelerator.mixed_precision}"
-            f"{f', torch.compile {cfg.compile}' if cfg.compile else ''}\n"
+            f"{f', torch.compile {cfg.compile}' if cfg.compile else ''}"
+            f"{f', kernel_options {cfg.kernel_options}' if kernel_kwargs else ''}\n"
         )
         print(ranking.table(out) if ranked else report.markdown_table(out), flush=True)
         for note in report.compile_notes(out) + ([] if ranked else report.rank_notes(out)):

@@ -68,6 +68,10 @@ class TrainConfig:
     # > 0: ranking mode (recipes/ranking.py): one model, the implementations take turns for `steps` steps each on the
     # same batches, in this many rounds with the order rotated each round; reports each one's spread over rounds
     rounds: int = 0
+    # flashpatch's kernel forms for this run, "name=value,..." (true/false, none, integers) given to
+    # flashpatch.kernels.options.override around the whole run, e.g. "persistent_fwd=false,concurrent_dq=false";
+    # "" = the defaults. For A/B runs of kernel forms; results.json's environment records what ran
+    kernel_options: str = ""
 
     # --- reporting ---
     output_dir: str = ""  # "" = runs/<name>
@@ -92,6 +96,33 @@ def _parse_value(text: str, annotation: str):
     if annotation.startswith("list"):
         return [item.strip() for item in text.split(",") if item.strip()]
     return text
+
+
+def parse_kernel_options(text: str) -> dict[str, bool | int | None]:
+    """`kernel_options` text -> keyword arguments of flashpatch.kernels.options.override: "a=true,b=none,c=64" ->
+    {"a": True, "b": None, "c": 64}. Only the syntax is checked here; the names are checked against flashpatch's
+    options when the run starts (train.kernel_options)."""
+    kwargs: dict[str, bool | int | None] = {}
+    for entry in (e.strip() for e in (text or "").split(",")):
+        if not entry:
+            continue
+        name, sep, value = (part.strip() for part in entry.partition("="))
+        if not sep or not name.isidentifier():
+            raise ValueError(f"kernel_options: {entry!r} is not name=value (e.g. persistent_fwd=false)")
+        if name in kwargs:
+            raise ValueError(f"kernel_options: {name!r} is given twice")
+        lowered = value.lower()
+        if lowered in ("true", "false"):
+            kwargs[name] = lowered == "true"
+        elif lowered == "none":
+            kwargs[name] = None
+        else:
+            try:
+                kwargs[name] = int(value)
+            except ValueError:
+                raise ValueError(f"kernel_options: {entry!r}: the value must be true, false, none or an integer") \
+                    from None
+    return kwargs
 
 
 def _check(cfg: TrainConfig) -> TrainConfig:
@@ -119,6 +150,7 @@ def _check(cfg: TrainConfig) -> TrainConfig:
                          "rounds 0")
     if cfg.rounds and cfg.profile_step:
         raise ValueError("profile_step traces the default mode's runs; set rounds 0 to take a trace")
+    parse_kernel_options(cfg.kernel_options)  # raises ValueError naming the bad entry
     if cfg.profile_step > cfg.warmup_steps + cfg.steps:
         raise ValueError(f"profile_step {cfg.profile_step} is past the last step ({cfg.warmup_steps + cfg.steps})")
     return cfg

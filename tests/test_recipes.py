@@ -293,6 +293,34 @@ def test_config_yaml_and_overrides(tmp_path):
         parse_config(["--compile", "fast"])
 
 
+def test_kernel_options_parse_and_bad_entries_are_refused():
+    import flashpatch
+    import train
+    from flashpatch.kernels import options
+    from train_config import parse_kernel_options
+
+    assert parse_kernel_options("") == {}
+    assert parse_kernel_options(" persistent_fwd=false, concurrent_dq=FALSE,register_kv=None,head_group=4,") == {
+        "persistent_fwd": False, "concurrent_dq": False, "register_kv": None, "head_group": 4}
+    cfg = parse_config(["--kernel_options", "persistent_fwd=true,concurrent_dq=false"])
+    assert cfg.kernel_options == "persistent_fwd=true,concurrent_dq=false"
+    for bad, named in (("persistent_fwd=maybe", "'persistent_fwd=maybe'"), ("persistent_fwd", "'persistent_fwd'"),
+                       ("head_group=4,head_group=2", "'head_group'"), ("=true", "'=true'")):
+        with pytest.raises(ValueError, match=f"kernel_options: {named}"):
+            parse_config(["--kernel_options", bad])
+
+    # The names are checked against flashpatch's options before the run; the override holds for the whole block.
+    context, kwargs = train.kernel_options(parse_config(["--kernel_options", "persistent_fwd=false"]), flashpatch)
+    with context:
+        assert options.current().persistent_fwd is False and kwargs == {"persistent_fwd": False}
+    assert options.current() == options.DEFAULT
+    with pytest.raises(TypeError, match="kernel_options 'persistent_fw=false'.*persistent_fw"):
+        train.kernel_options(parse_config(["--kernel_options", "persistent_fw=false"]), flashpatch)
+    with pytest.raises(ValueError, match="kernel_options 'head_group=-1'"):
+        train.kernel_options(parse_config(["--kernel_options", "head_group=-1"]), flashpatch)
+    assert train.kernel_options(parse_config([]), flashpatch)[1] == {}
+
+
 def test_oom_is_a_result_and_the_next_implementation_runs(monkeypatch, short_docs):
     import train
     from accelerate import Accelerator
@@ -348,6 +376,7 @@ def test_train_smoke_run(tmp_path):
 
     assert res["environment"]["device_type"] == "cpu" and res["environment"]["triton_interpret"] == "1"
     assert res["config"]["data_mode"] == "packed" and res["config"]["seq_len"] == 64
+    assert res["config"]["kernel_options"] == "" and res["environment"]["kernel_options"] == {}
     rows = {r["implementation"]: r for r in res["results"]}
     assert list(rows) == ["eager", "sdpa", "fpatch"]
     for r in rows.values():
@@ -467,6 +496,9 @@ def test_gpu_report_appends_history_rows(tmp_path):
             fp["tokens_per_s"]["torch"], fp["tokens_per_s"]["triton"]) == (
         "2026-01-02", "abc1234", "NVIDIA H100 80GB HBM3", "2.11.0+cu130", "3.6.0")
     assert report.append_history(fake, "") is None  # FLASHPATCH_HISTORY="" turns it off
+    fake["config"]["kernel_options"] = "concurrent_dq=false"
+    fake["environment"]["kernel_options"] = {"concurrent_dq": False}
+    assert report.history_case(fake) == "t packed seq 64 batch 2x2 bf16 kernel_options concurrent_dq=false"
 
 
 def test_bench_attention_history_rows(tmp_path):
