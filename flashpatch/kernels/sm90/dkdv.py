@@ -258,13 +258,12 @@ def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, rea
           ALIBI: gl.constexpr, LSE_FIRST: gl.constexpr, dq_parts, WG: gl.constexpr, FUSED_DQ: gl.constexpr,
           keep_parts, DROPOUT: gl.constexpr):
     """Step i of a consumer: query block m0 of GQA head g into dK and dV. MASK: 0 none, 1 the causal mask, 2
-    the causal mask where the step crosses the diagonal (a branch per step), 3 the keys past seqlen_k hidden (no
-    causal mask and seqlen_k not a multiple of BLOCK_N: KEY_TAIL; every step of every program takes it, as a branch
-    on the program's key block, with a second copy of the loop, made ptxas spill; the causal mask hides those keys by
-    itself). Queries past seqlen_q need no
-    mask: their LSE is +inf (ops.attn_bwd_impl pads it), so their P is 0. FUSED_DQ: dQ's share of the step
-    too (`_fused_dq`; dq_parts its buffers and barriers, else unused). DROPOUT: the step's keep word from the
-    drawer (keep_parts: the rings of keep words, consumer WG's slots WG * KEEP_SLOTS + the step's, their
+    the causal mask where the step crosses the diagonal (a branch per step), 3 the keys past seqlen_k hidden
+    (KEY_TAIL: no causal mask, and seqlen_k not a multiple of BLOCK_N; every step takes it, since a branch on the
+    program's key block between two loops made ptxas spill; a causal mask hides those keys by itself). Queries past
+    seqlen_q need no mask: their LSE is +inf (ops.attn_bwd_impl pads it), so their P is 0. FUSED_DQ: dQ's share of
+    the step too (`_fused_dq`; dq_parts its buffers and barriers, else unused). DROPOUT: the step's keep word from
+    the drawer (keep_parts: the rings of keep words, consumer WG's slots WG * KEEP_SLOTS + the step's, their
     barriers, and 1 / (1 - p)); dV sums the kept Pᵀ dO unscaled (`_consumer` scales it once at the end), and
     dS = P (Z dP / (1 - p) - delta)."""
     dtype: gl.constexpr = q_bufs.dtype
