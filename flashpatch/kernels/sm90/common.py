@@ -58,8 +58,8 @@ def sm90_dense_ok(*tensors: torch.Tensor, varlen: bool, window_left: int, window
                   dropout_p: float, with_dropout: bool = False) -> bool:
     """The scope the Gluon kernels share: sm_90 with Gluon enabled (`enabled`), dense (B, S, H, D) tensors that
     `rows_view` maps, bf16 or fp16, head dim 64 or 128, causal or unmasked, no softcap, no dropout unless the
-    kernel draws it (`with_dropout`), 32-bit element offsets. Any lengths: the kernels mask a last tile that runs past a
-sequence (`key_limit`, the backward's padded LSE)."""
+    kernel draws it (`with_dropout`), 32-bit element offsets. Any lengths: the kernels mask a last tile that runs
+    past a sequence (`key_limit`, the backward's padded LSE)."""
     q = tensors[0]
     if not (enabled() and q.is_cuda and capability(q.device) == (9, 0)):
         return False
