@@ -84,32 +84,39 @@ class Timed:
 
 
 def inside_autograd(q, k, v, dout, causal, iters=200):
-    """Host time of each piece of the backward as the autograd engine runs it (its own thread)."""
+    """Host time of each piece of the backward as the autograd engine runs it, on its device thread and, for
+    comparison, on the calling thread. The kernels themselves are not wrapped: launch.launch caches only real
+    JITFunctions, so a wrapped kernel would time Triton's slow path instead. `launch._tritons_launch` counts the
+    launches that took Triton's own path (none once every signature was met)."""
     from flashpatch.kernels import config as kc
+    from flashpatch.kernels import launch as kernel_launch
 
-    timed = Timed()
-    originals = [(ops, "attn_bwd_preprocess_kernel"), (ops, "_launch_configs"), (ops, "tma_usable"),
-                 (sm90_dkdv, "attn_bwd_dkdv"), (sm90_dq, "attn_bwd_dq"), (sm90_dkdv, "supported"),
-                 (sm90_dq, "supported"), (kc, "head_group"), (ops, "attn_bwd_dkdv_kernel"),
-                 (ops, "attn_bwd_dq_kernel"), (sm90_dkdv, "attn_bwd_dkdv_hopper_kernel"),
-                 (sm90_dq, "attn_bwd_dq_hopper_kernel"), (sm90_dkdv, "descriptor"), (sm90_dq, "descriptor")]
-    saved = [(m, n, timed.wrap(m, n)) for m, n in originals]
-    backward = fp_autograd.FlashAttnFunction.backward
-    fp_autograd.FlashAttnFunction.backward = staticmethod(
-        lambda ctx, *g: timed.time("FlashAttnFunction.backward (all of it)", backward, ctx, *g))
-    try:
-        for _ in range(iters):
-            out = flashpatch.flash_attn_func(q, k, v, causal=causal)
-            timed.time("out.backward (caller's view)", out.backward, dout)
-        if q.is_cuda:
-            torch.cuda.synchronize()
-    finally:
-        for m, n, inner in saved:
-            setattr(m, n, inner)
-        fp_autograd.FlashAttnFunction.backward = staticmethod(backward)
-    print("\n| inside autograd's backward: piece | host us per call | calls per step |\n|---|---|---|")
-    for label, total in sorted(timed.totals.items(), key=lambda kv: -kv[1]):
-        print(f"| {label} | {total / timed.calls[label] * 1e6:.1f} | {timed.calls[label] / iters:g} |")
+    for multithreaded in (True, False):
+        timed = Timed()
+        originals = [(ops, "_launch_configs"), (ops, "tma_usable"), (sm90_dkdv, "attn_bwd_dkdv"),
+                     (sm90_dq, "attn_bwd_dq"), (sm90_dkdv, "supported"), (sm90_dq, "supported"), (kc, "head_group"),
+                     (sm90_dkdv, "descriptor"), (sm90_dq, "descriptor"), (kernel_launch, "_tritons_launch"),
+                     (ops, "_side_stream")]
+        with torch.autograd.set_multithreading_enabled(multithreaded):
+            flashpatch.flash_attn_func(q, k, v, causal=causal).backward(dout)  # the thread's side stream made
+            saved = [(m, n, timed.wrap(m, n)) for m, n in originals]
+            backward = fp_autograd.FlashAttnFunction.backward
+            fp_autograd.FlashAttnFunction.backward = staticmethod(
+                lambda ctx, *g: timed.time("FlashAttnFunction.backward (all of it)", backward, ctx, *g))
+            try:
+                for _ in range(iters):
+                    out = flashpatch.flash_attn_func(q, k, v, causal=causal)
+                    timed.time("out.backward (caller's view)", out.backward, dout)
+                if q.is_cuda:
+                    torch.cuda.synchronize()
+            finally:
+                for m, n, inner in saved:
+                    setattr(m, n, inner)
+                fp_autograd.FlashAttnFunction.backward = staticmethod(backward)
+        where = "autograd's device thread" if multithreaded else "the calling thread"
+        print(f"\n| backward on {where}: piece | host us per call | calls per step |\n|---|---|---|")
+        for label, total in sorted(timed.totals.items(), key=lambda kv: -kv[1]):
+            print(f"| {label} | {total / timed.calls[label] * 1e6:.1f} | {timed.calls[label] / iters:g} |")
 
 
 def on_this_thread(fn):
