@@ -4,9 +4,9 @@ torch.compile traces through them as opaque nodes.
 Dense tensors are (batch, seqlen, heads, headdim); varlen tensors are (total_tokens, heads, headdim) with
 cu_seqlens. Both run the same kernels: varlen reads a sequence's start and length from cu_seqlens, dense uses a
 batch stride. On an H100/H200 (sm_90), dense calls at head dim 64 or 128 that are causal or unmasked (with or without
-ALiBi slopes), of any lengths, run warp-specialized Gluon kernels instead (kernels/sm90/; same results,
-same LSE and delta buffers); FLASHPATCH_GLUON=0 turns them off. No argument checking here: flashpatch.validation does
-it in the public layer.
+ALiBi slopes), of any lengths, run warp-specialized Gluon kernels instead, and so does the forward of such varlen
+calls without dropout (kernels/sm90/; same results, same LSE and delta buffers); FLASHPATCH_GLUON=0 turns them off.
+No argument checking here: flashpatch.validation does it in the public layer.
 """
 
 from __future__ import annotations
@@ -325,9 +325,16 @@ def attn_fwd_impl(
     if cfgs.gluon_fwd and sm90_fwd is not None and sm90_fwd.supported(  # the Gluon kernel where it applies
             q, k, v, varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
             window_right=window_right, softcap=softcap, dropout_p=dropout_p):
-        sm90_fwd.attn_fwd(q, k, v, out, lse, _scales(softmax_scale, softcap)[0], causal=window_right == 0,
-                            alibi_slopes=alibi_slopes, fold=cfgs.fold_scale, seed_offset=seed_offset,
-                            dropout_p=dropout_p, options=opts)
+        qk_scale = _scales(softmax_scale, softcap)[0]
+        if varlen:
+            blocks = varlen_blocks(cu_seqlens_q, q.shape[0], sm90_fwd.varlen_block_rows(headdim), heaviest_first=True,
+                                   longest_first=opts.varlen_longest_first)
+            sm90_fwd.attn_fwd_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, blocks, max_seqlen_k, qk_scale,
+                                     causal=window_right == 0, alibi_slopes=alibi_slopes, fold=cfgs.fold_scale,
+                                     options=opts)
+        else:
+            sm90_fwd.attn_fwd(q, k, v, out, lse, qk_scale, causal=window_right == 0, alibi_slopes=alibi_slopes,
+                              fold=cfgs.fold_scale, seed_offset=seed_offset, dropout_p=dropout_p, options=opts)
         return out, lse
     cfg = cfgs.fwd
     tma = cfg.tma and tma_usable(headdim, q, k, v, out)

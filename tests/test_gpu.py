@@ -511,6 +511,48 @@ def test_varlen_realistic_mix_bf16(nheads_k, headdim):
                             causal=True)
 
 
+@needs_gluon
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", [
+    dict(lengths_q=[1, 17, 113, 1000, 0, 300, 4095], causal=True, heads=(8, 2), headdim=128),
+    dict(lengths_q=[1, 17, 113, 1000, 0, 300, 4095], causal=False, heads=(8, 8), headdim=128),
+    # Sq != Sk per sequence, bottom-right causal: the 40 first queries of the last sequence see no key
+    dict(lengths_q=[17, 300, 105, 2000], lengths_k=[113, 200, 64, 1999], causal=True, heads=(4, 1), headdim=128),
+    dict(lengths_q=[700, 3, 1500, 129], causal=True, heads=(6, 2), headdim=64),  # three consumers, 192 rows
+    dict(lengths_q=[700, 3, 1500, 129], causal=False, heads=(6, 6), headdim=64, alibi=True),
+    dict(lengths_q=[1000, 64, 2047], causal=True, heads=(8, 2), headdim=128, alibi=True),
+], ids=lambda c: (f"{len(c['lengths_q'])}seqs-{'causal' if c['causal'] else 'full'}-h{c['heads'][0]}:"
+                  f"{c['heads'][1]}-d{c['headdim']}" + ("-sq_ne_sk" if "lengths_k" in c else "")
+                  + ("-alibi" if c.get("alibi") else "")))
+def test_gluon_varlen_forward_matches_float64(case, dtype, monkeypatch):
+    # The Gluon forward on a varlen batch (sm90_fwd.attn_fwd_varlen): a program per (sequence, block) pair and head,
+    # the packed rows as the TMA views' rows; a tile past a sequence's end reads the next sequence's rows, masked as
+    # a dense row's last tile. The backward runs the Triton kernels on its LSE.
+    calls = []
+    launch = sm90_fwd.attn_fwd_varlen
+    monkeypatch.setattr(sm90_fwd, "attn_fwd_varlen", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    torch.manual_seed(0)
+    lengths_q = case["lengths_q"]
+    lengths_k = case.get("lengths_k", lengths_q)
+    nheads, nheads_k = case["heads"]
+    headdim = case["headdim"]
+    q = torch.randn(sum(lengths_q), nheads, headdim, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(sum(lengths_k), nheads_k, headdim, device="cuda", dtype=dtype, requires_grad=True)
+            for _ in "kv")
+    cu_q = cu_seqlens_from_lengths(torch.tensor(lengths_q, device="cuda"))
+    cu_k = cu_seqlens_from_lengths(torch.tensor(lengths_k, device="cuda"))
+    kwargs = {"causal": case["causal"]}
+    if case.get("alibi"):
+        kwargs["alibi_slopes"] = _geometric_slopes(len(lengths_q), nheads)
+    with kernel_options.override(gluon_fwd=True):
+        out = flashpatch.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), **kwargs)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert calls == [1], calls
+    check_against_reference(out, grads, q, k, v, dout, reference=varlen_attention_reference, ref_args=(cu_q, cu_k),
+                            **kwargs)
+
+
 def test_dropout_keep_fraction_large_tensor():
     seed_offset = flashpatch.ops.draw_seed_offset(torch.device("cuda"))
     pattern = flashpatch.ops.dropout_pattern(seed_offset, 4, 16, 2048, 2048, 0.1)  # 268M draws

@@ -37,6 +37,7 @@ def main():
     parser.add_argument("--dropout", action="store_true", help="dQ or dK/dV with dropout")
     parser.add_argument("--alibi", action="store_true", help="with ALiBi slopes")
     parser.add_argument("--key-tail", action="store_true", help="dK/dV: seqlen_k not a multiple of its key block")
+    parser.add_argument("--varlen", action="store_true", help="the forward's varlen form (attn_fwd_varlen)")
     parser.add_argument("--persistent", action="store_true", help="the forward's or dQ's PERSISTENT variant")
     parser.add_argument("--consumers", type=int, default=0, help="the forward's consumer warpgroups (0: its rule)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=0|1",
@@ -81,6 +82,9 @@ def main():
                       CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs)
         if not args.dropout:
             consts.update(SEED_OFFSET=None)  # the launcher's None without dropout
+        consts.update(VARLEN=args.varlen)
+        if not args.varlen:
+            consts.update(CU_SEQLENS_Q=None, CU_SEQLENS_K=None, VARLEN_BLOCKS=None)
         if not (args.persistent and args.causal and options.DEFAULT.causal_schedule):
             consts.update(SCHEDULE=None)  # the launcher's None but for a persistent causal grid's table
     consts.update(ALIBI=args.alibi)
@@ -113,7 +117,7 @@ def main():
             sig[name] = "fp32"
         elif name == "SEED_OFFSET":
             sig[name] = "*i64"
-        elif name == "SCHEDULE":
+        elif name in ("SCHEDULE", "CU_SEQLENS_Q", "CU_SEQLENS_K", "VARLEN_BLOCKS"):
             sig[name] = "*i32"
         else:
             sig[name] = "i32"
@@ -127,7 +131,7 @@ def main():
     stem = out / (f"{args.kernel}_gluon_d{d}{'_causal' if args.causal else ''}"
                   f"{f'_c{args.consumers}' if args.consumers else ''}{'_dropout' if args.dropout else ''}"
                   f"{'_alibi' if args.alibi else ''}{'_persistent' if args.persistent else ''}"
-                  f"{'_tail' if args.key_tail else ''}"
+                  f"{'_tail' if args.key_tail else ''}{'_varlen' if args.varlen else ''}"
                   + "".join(f"_{item.split('=')[0].lower()}" for item in args.set if item.endswith("=1")))
     ptx = kernel.asm["ptx"]
     stem.with_suffix(".ttgir").write_text(kernel.asm["ttgir"])

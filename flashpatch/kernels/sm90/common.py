@@ -55,19 +55,22 @@ def rows_view(t: torch.Tensor):
 
 
 def sm90_dense_ok(*tensors: torch.Tensor, varlen: bool, window_left: int, window_right: int, softcap: float,
-                  dropout_p: float, with_dropout: bool = False) -> bool:
+                  dropout_p: float, with_dropout: bool = False, with_varlen: bool = False) -> bool:
     """The scope the Gluon kernels share: sm_90 with Gluon enabled (`enabled`), dense (B, S, H, D) tensors that
-    `rows_view` maps, bf16 or fp16, head dim 64 or 128, causal or unmasked, no softcap, no dropout unless the
-    kernel draws it (`with_dropout`), 32-bit element offsets. Any lengths: the kernels mask a last tile that runs
-    past a sequence (`key_limit`, the backward's padded LSE)."""
+    `rows_view` maps (varlen (T, H, D) ones where the kernel takes them: `with_varlen`), bf16 or fp16, head dim 64
+    or 128, causal or unmasked, no softcap, no dropout unless the kernel draws it (`with_dropout`), 32-bit element
+    offsets. Any lengths: the kernels mask a last tile that runs past a sequence (`key_limit`, the backward's
+    padded LSE)."""
     q = tensors[0]
     if not (enabled() and q.is_cuda and capability(q.device) == (9, 0)):
         return False
-    if varlen or softcap > 0 or (dropout_p > 0 and not with_dropout) or window_left >= 0 or window_right not in (-1, 0):
+    if (varlen and not with_varlen) or softcap > 0 or (dropout_p > 0 and not with_dropout) or window_left >= 0 \
+            or window_right not in (-1, 0):
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128):
         return False
-    return all(rows_view(t) is not None and t.data_ptr() % 16 == 0 and t.numel() < 2**31 for t in tensors)
+    views = [t.unsqueeze(0) if varlen else t for t in tensors]  # varlen (T, H, D) as one row of T tokens
+    return all(rows_view(t) is not None and t.data_ptr() % 16 == 0 and t.numel() < 2**31 for t in views)
 
 
 def _descriptor(base: torch.Tensor, shape: list, strides: list, block: list, layout) -> TensorDescriptor:
@@ -168,6 +171,13 @@ def query_block_of_tile(tile, num_bh, seqlen_q, seqlen_k, nheads, group_size, CA
     off_h = off_bh % nheads
     off_hk = off_h // group_size
     m0 = pid_m * BLOCK_M
+    shift, n_full, n_steps = key_steps(m0, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+    return off_b, off_h, off_hk, m0, shift, n_full, n_steps
+
+
+@gluon.jit
+def key_steps(m0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(Sk - Sq, key blocks below the diagonal, key blocks to visit) of the query block from row m0."""
     shift = seqlen_k - seqlen_q
     n_steps = gl.cdiv(seqlen_k, BLOCK_N)
     n_full = seqlen_k // BLOCK_N  # without a mask, a last key block past seqlen_k is masked (`key_limit`)
@@ -175,7 +185,32 @@ def query_block_of_tile(tile, num_bh, seqlen_q, seqlen_k, nheads, group_size, CA
         n_end = gl.minimum(gl.maximum(m0 + BLOCK_M + shift, 0), seqlen_k)
         n_steps = gl.cdiv(n_end, BLOCK_N)
         n_full = gl.minimum(gl.maximum(m0 + shift + 1, 0) // BLOCK_N, n_steps)  # blocks below the diagonal
-    return off_b, off_h, off_hk, m0, shift, n_full, n_steps
+    return shift, n_full, n_steps
+
+
+@gluon.jit
+def varlen_query_block_program(VARLEN_BLOCKS, CU_SEQLENS_Q, CU_SEQLENS_K, nheads, group_size, CAUSAL: gl.constexpr,
+                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """This program's query block of a varlen batch (the forward's): (sequence, head, K/V head, first query row
+    within the sequence, Sk - Sq, key blocks below the diagonal, key blocks to visit, the sequence's first query row
+    and first key row in the packed tensors, its query length). The grid holds nheads x the (sequence, block) pairs
+    of VARLEN_BLOCKS ((2, n) int32, ops.varlen_blocks), a head's pairs side by side; a pair past the last block
+    gets no steps and a query length of 0, so it stores nothing."""
+    pairs = gl.num_programs(0) // nheads
+    off_h = gl.program_id(0) // pairs
+    pair = gl.program_id(0) % pairs
+    seq = gl.load(VARLEN_BLOCKS + pair)
+    m0 = gl.load(VARLEN_BLOCKS + pairs + pair) * BLOCK_M
+    q_start = gl.load(CU_SEQLENS_Q + seq)
+    k_start = gl.load(CU_SEQLENS_K + seq)
+    seqlen_q = gl.load(CU_SEQLENS_Q + seq + 1) - q_start
+    seqlen_k = gl.load(CU_SEQLENS_K + seq + 1) - k_start
+    shift, n_full, n_steps = key_steps(m0, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+    past_end = m0 >= seqlen_q
+    n_steps = gl.where(past_end, 0, n_steps)
+    n_full = gl.minimum(n_full, n_steps)
+    seqlen_q = gl.where(past_end, 0, seqlen_q)
+    return seq, off_h, off_h // group_size, m0, shift, n_full, n_steps, q_start, k_start, seqlen_q, seqlen_k
 
 
 @gluon.jit

@@ -722,7 +722,8 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     grid = (batch * nheads_k * cdiv(seqlen_k, BLOCK_N),)
     reg_kv, consumer_regs = options.register_kv, options.dkdv_consumer_registers
     launch(
-        attn_bwd_dkdv_hopper_kernel, grid, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, dk, dv, alibi_slopes, seed_offset,
+        attn_bwd_dkdv_hopper_kernel, grid, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, dk, dv,
+        alibi_slopes, seed_offset,
         q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, dq_rows, dq_cols,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),

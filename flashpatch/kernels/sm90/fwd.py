@@ -48,7 +48,8 @@ from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     allocate_keep_ring, allocate_kv_ring, allocate_query_barriers, alibi_bias, carry_addend, carry_shift_in_ptx,
     descriptor, dropout_seed_offset, head_slope_log2, kept_dims, key_limit, persistent_rounds, persistent_tile,
-    philox_wide, producer_persistent, query_block_of_tile, query_block_program, sm90_dense_ok, stream_kv, tma_load)
+    philox_wide, producer_persistent, query_block_of_tile, query_block_program, sm90_dense_ok, stream_kv, tma_load,
+    varlen_query_block_program)
 from flashpatch.kernels.sm90.schedule import causal_schedule_tensor
 from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_rows
 
@@ -423,23 +424,38 @@ def _fwd_consumer_persistent(q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_
 
 @gluon.jit
 def attn_fwd_hopper_kernel(
-    q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, SEED_OFFSET, SCHEDULE,
+    q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, SEED_OFFSET, SCHEDULE, CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS,
     q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
     num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, dropout_p, schedule_rounds,
     CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, PERSISTENT: gl.constexpr,
     FOLD: gl.constexpr, CONSUMERS: gl.constexpr, DROPOUT: gl.constexpr, DRAWER_WARPS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr, VARLEN: gl.constexpr,
 ):
     if PERSISTENT:  # num_tiles: batch x heads x query blocks, which the programs take in turn
+        gl.static_assert(not VARLEN, "the varlen form runs one program per block")
         _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols, k_rows, k_cols, v_rows,
                         v_cols, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
                         num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, SCHEDULE, schedule_rounds,
                         CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI, FOLD)
         return
-    off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_program(
-        seqlen_q, seqlen_k, nheads, group_size, CAUSAL, CONSUMERS * HALF_M, BLOCK_N, HEAD_GROUP)
+    if VARLEN:  # the views' rows are the packed tokens: a sequence starts at its cu_seqlens entry
+        gl.static_assert(not DROPOUT, "the varlen form draws no dropout")
+        off_b, off_h, off_hk, m0, shift, n_full, n_steps, q_base, k_base, seqlen_q, seqlen_k = (
+            varlen_query_block_program(VARLEN_BLOCKS, CU_SEQLENS_Q, CU_SEQLENS_K, nheads, group_size, CAUSAL,
+                                       CONSUMERS * HALF_M, BLOCK_N))
+        o_base = q_base * stride_os + off_h * stride_oh
+        lse_base = off_h * stride_lse_h + q_base
+        v_base = k_base
+    else:
+        off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_program(
+            seqlen_q, seqlen_k, nheads, group_size, CAUSAL, CONSUMERS * HALF_M, BLOCK_N, HEAD_GROUP)
+        o_base = off_b * stride_ob + off_h * stride_oh
+        lse_base = off_b * stride_lse_b + off_h * stride_lse_h
+        q_base = off_b * q_rows[0]
+        k_base = off_b * k_rows[0]
+        v_base = off_b * v_rows[0]
     # Q in Q_TILES TMA tiles (a TMA tile's rows are a power of two: three consumers load one per warpgroup)
     Q_TILES: gl.constexpr = 1 if CONSUMERS == 2 else CONSUMERS
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_TILES] + q_desc.block_type.shape, q_desc.layout)
@@ -450,12 +466,10 @@ def attn_fwd_hopper_kernel(
         keep_bufs, keep_full, keep_empty = allocate_keep_ring(_KEEP_SLOTS, [4, 8, 2, 4], FWD_KEEP_SHARED)
     fence_async_shared()
 
-    o_base = off_b * stride_ob + off_h * stride_oh
-    lse_base = off_b * stride_lse_b + off_h * stride_lse_h
     alibi_log2 = head_slope_log2(ALIBI_SLOPES, off_b * stride_alibi_b + off_h, ALIBI)
-    q_row = off_b * q_rows[0] + off_h * q_rows[1] + m0
-    k_row = off_b * k_rows[0] + off_hk * k_rows[1]
-    v_row = off_b * v_rows[0] + off_hk * v_rows[1]
+    q_row = q_base + off_h * q_rows[1] + m0
+    k_row = k_base + off_hk * k_rows[1]
+    v_row = v_base + off_hk * v_rows[1]
     if DROPOUT:  # head dim 128, two consumers (`attn_fwd`)
         keep_parts = (keep_bufs, keep_full, keep_empty)
         drawer_args = (keep_bufs, keep_full, keep_empty, SEED_OFFSET, dropout_p, off_b, nheads, off_h, seqlen_q,
@@ -550,11 +564,43 @@ def dropout_registers() -> tuple[int, int, int]:
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool, max_seqlen_q: int,
               max_seqlen_k: int, window_left: int, window_right: int, softcap: float, dropout_p: float) -> bool:
-    """Whether this kernel covers the call: common.sm90_dense_ok, with dropout at head dim 128. Any lengths: a last
-    query block past seqlen_q computes rows that are never stored, and a last key block past seqlen_k is masked
-    (common.key_limit)."""
+    """Whether this kernel covers the call: common.sm90_dense_ok, with dropout at head dim 128 on dense rows, and
+    varlen batches without dropout (`attn_fwd_varlen`). Any lengths: a last query block past seqlen_q computes rows
+    that are never stored, and a last key block past seqlen_k is masked (common.key_limit)."""
     return sm90_dense_ok(q, k, v, varlen=varlen, window_left=window_left, window_right=window_right, softcap=softcap,
-                         dropout_p=dropout_p, with_dropout=q.shape[-1] == 128)
+                         dropout_p=dropout_p, with_dropout=q.shape[-1] == 128 and not varlen, with_varlen=True)
+
+
+def varlen_block_rows(headdim: int) -> int:
+    """The query rows of a varlen program (`attn_fwd_varlen`): the (sequence, block) table ops.varlen_blocks
+    builds for its grid counts blocks of this many rows."""
+    return CONSUMERS_BY_HEADDIM[headdim] * HALF_M
+
+
+def attn_fwd_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, blocks, max_seqlen_k: int, qk_scale: float,
+                    causal: bool, alibi_slopes=None, fold: bool = False, options: KernelOptions = DEFAULT) -> None:
+    """`attn_fwd` for a varlen batch (`supported`, no dropout): out (total_q, H, D) and lse (H, total_q), q:
+    (total_q, H, D), k, v: (total_k, Hk, D), cu_seqlens_q / _k: (batch + 1,) int32, blocks: ops.varlen_blocks's
+    (2, n) table of (sequence, block) pairs in blocks of `varlen_block_rows` queries. One program per head and pair
+    (no persistent grid); the packed rows are the TMA views' rows, a sequence's tiles start at its cu_seqlens
+    entry, and a tile past its end reads the next sequence's rows, masked like a dense row's last tile."""
+    nheads, headdim = q.shape[1], q.shape[2]
+    nheads_k = k.shape[1]
+    consumers = CONSUMERS_BY_HEADDIM[headdim]
+    q_desc, q_rows, q_cols = descriptor(q.unsqueeze(0), BLOCK_M if consumers == 2 else HALF_M)  # (1, T, H, D)
+    k_desc, k_rows, k_cols = descriptor(k.unsqueeze(0), BLOCK_N)
+    v_desc, v_rows, v_cols = descriptor(v.unsqueeze(0), BLOCK_N)
+    grid = (nheads * blocks.shape[1],)
+    launch(
+        attn_fwd_hopper_kernel, grid, q_desc, k_desc, v_desc, out, lse, alibi_slopes, None, None, cu_seqlens_q,
+        cu_seqlens_k, blocks, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, 0, out.stride(0), out.stride(1), 0,
+        lse.stride(0), alibi_batch_stride(alibi_slopes), grid[0], nheads, nheads // nheads_k, 0, max_seqlen_k,
+        qk_scale, 0.0, 0,
+        CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES, HEAD_GROUP=1,
+        ALIBI=alibi_slopes is not None, PERSISTENT=False, FOLD=fold, CONSUMERS=consumers, DROPOUT=False,
+        DRAWER_WARPS=DRAWER_WARPS, CONSUMER_REGS=0, WORKER_REGS=0, VARLEN=True, num_warps=4,
+        maxnreg=MAXNREG if consumers == 2 else MAXNREG_3, cached_launch=options.cached_launch,
+    )
 
 
 def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None, fold: bool = False,
@@ -603,12 +649,12 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     else:  # the setmaxnreg counts of the non-dropout forms are in the kernel
         maxnreg, consumer_regs, worker_regs = (MAXNREG if consumers == 2 else MAXNREG_3), 0, 0
     launch(
-        attn_fwd_hopper_kernel, grid, q_desc, k_desc, v_desc, out, lse, alibi_slopes, seed_offset, schedule, q_rows, q_cols, k_rows, k_cols,
-        v_rows, v_cols, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        alibi_batch_stride(alibi_slopes), num_tiles, nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale,
-        dropout_p, schedule_rounds,
+        attn_fwd_hopper_kernel, grid, q_desc, k_desc, v_desc, out, lse, alibi_slopes, seed_offset, schedule, None,
+        None, None, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes), num_tiles, nheads, nheads // nheads_k,
+        seqlen_q, seqlen_k, qk_scale, dropout_p, schedule_rounds,
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HEAD_GROUP=order, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
         FOLD=fold, CONSUMERS=consumers, DROPOUT=dropout, DRAWER_WARPS=DRAWER_WARPS, CONSUMER_REGS=consumer_regs,
-        WORKER_REGS=worker_regs, num_warps=4, maxnreg=maxnreg, cached_launch=options.cached_launch,
+        WORKER_REGS=worker_regs, VARLEN=False, num_warps=4, maxnreg=maxnreg, cached_launch=options.cached_launch,
     )
