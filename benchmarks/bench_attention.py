@@ -104,6 +104,10 @@ def build_cases(quick: bool, seqlens: tuple[int, ...] | None = None) -> list[Cas
     cases.append(Case("d128 causal ALiBi N=4096", 4, 16, 16, 4096, 128, True, alibi=True))
     lens = varlen_lengths()
     cases.append(Case(f"d128 varlen {len(lens)} docs 64..4096", len(lens), 16, 16, max(lens), 128, True, 0.0, lens))
+    if not quick:
+        cases.append(Case(f"d128 varlen GQA 16/8 {len(lens)} docs 64..4096", len(lens), 16, 8, max(lens), 128, True,
+                          0.0, lens))
+        cases.append(Case(f"d64 varlen {len(lens)} docs 64..4096", len(lens), 16, 16, max(lens), 64, True, 0.0, lens))
     return cases
 
 

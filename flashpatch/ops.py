@@ -4,8 +4,8 @@ torch.compile traces through them as opaque nodes.
 Dense tensors are (batch, seqlen, heads, headdim); varlen tensors are (total_tokens, heads, headdim) with
 cu_seqlens. Both run the same kernels: varlen reads a sequence's start and length from cu_seqlens, dense uses a
 batch stride. On an H100/H200 (sm_90), dense calls at head dim 64 or 128 that are causal or unmasked (with or without
-ALiBi slopes), of any lengths, run warp-specialized Gluon kernels instead, and so does the forward of such varlen
-calls without dropout (kernels/sm90/; same results, same LSE and delta buffers); FLASHPATCH_GLUON=0 turns them off.
+ALiBi slopes), of any lengths, run warp-specialized Gluon kernels instead, and so do such varlen calls without
+dropout (kernels/sm90/; same results); FLASHPATCH_GLUON=0 turns them off.
 No argument checking here: flashpatch.validation does it in the public layer.
 """
 
@@ -417,24 +417,6 @@ def attn_bwd_impl(
     flags = _common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype, alibi_slopes)
     tile_d = block_d(headdim)
 
-    # Dense rows: the LSE and delta the kernels read run on to a multiple of ALIGN rows, LSE +inf and delta 0 past
-    # max_seqlen_q, so that whole tiles past a sequence's end give P = 0 (what lets the Gluon kernels take any length)
-    padded_rows = max_seqlen_q if varlen else cdiv(max_seqlen_q, kernel_config.ALIGN) * kernel_config.ALIGN
-    pad = padded_rows != max_seqlen_q
-    lse_in = lse
-    if pad:
-        lse = torch.empty((batch, nheads, padded_rows), dtype=torch.float32, device=q.device)
-    delta = torch.empty_like(lse)
-    pre = cfgs.bwd_dq
-    launch(
-        attn_bwd_preprocess_kernel, (batch * nheads, cdiv(padded_rows, pre.block_m)),
-        out, dout, delta, lse_in, lse, cu_seqlens_q,
-        *_seq_strides(out, varlen), *_seq_strides(dout, varlen), *_lse_strides(lse, varlen),
-        *_lse_strides(lse_in, varlen), nheads, max_seqlen_q, padded_rows,
-        HEADDIM=headdim, BLOCK_D=tile_d, BLOCK_M=pre.block_m, IS_VARLEN=varlen, PAD=pad,
-        cached_launch=opts.cached_launch,
-    )
-
     # The Gluon Hopper kernels take the calls in their scope (sm90.common.sm90_dense_ok), the Triton ones the rest
     gluon_scope = dict(varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
                        window_right=window_right, softcap=softcap, dropout_p=dropout_p)
@@ -445,24 +427,64 @@ def attn_bwd_impl(
     # Gluon dK/dV draws the bits, its fused dQ or the separate pass beside it is faster
     gluon_draws = gluon_dkdv and dropout_p > 0
     atomic_dq = (cfgs.atomic_dq and not deterministic and not gluon_draws) or fused_dq
+    gluon_dq = (cfgs.gluon_dq and not atomic_dq and sm90_dq is not None
+                and sm90_dq.supported(q, k, v, dout, **gluon_scope))
+    # with atomic dQ, the Gluon dK/dV only where it adds dQ itself (sm90_dkdv.fuses_dq)
+    dkdv_on_gluon = gluon_dkdv and (not atomic_dq or fuses_dq)
+    if varlen:
+        # The Gluon kernels read a varlen batch's LSE and delta padded per sequence (below), which the Triton ones
+        # do not: on varlen batches the Gluon dK/dV runs with the Gluon dQ (or its own fused dQ), or not at all.
+        if dkdv_on_gluon and not (atomic_dq or gluon_dq):
+            dkdv_on_gluon = False
+        gluon_dq = gluon_dq and dkdv_on_gluon
+
+    # The LSE and delta that the Gluon kernels read run on past each sequence's end to a multiple of ALIGN rows, LSE
+    # +inf and delta 0, so that whole tiles past a sequence's end give P = 0 (what lets them take any length). Dense
+    # rows: (B, H, Sq rounded up); varlen: (H, total_q + ALIGN x batch, rounded up), sequence b from an aligned start
+    # (triton.backward.aligned_start). The Triton kernels read the forward's LSE as it is.
+    align = kernel_config.ALIGN
+    pad = (dkdv_on_gluon or gluon_dq) if varlen else max_seqlen_q % align != 0
+    padded_rows = cdiv(max_seqlen_q, align) * align if pad else max_seqlen_q
+    lse_in = lse
+    if pad:
+        # varlen rows per head rounded up to ALIGN too, so that every head's rows start aligned
+        lse_shape = ((nheads, cdiv(q.shape[0] + align * batch, align) * align) if varlen
+                     else (batch, nheads, padded_rows))
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    delta = torch.empty_like(lse)
+    pre = cfgs.bwd_dq
+    launch(
+        attn_bwd_preprocess_kernel, (batch * nheads, cdiv(padded_rows, pre.block_m)),
+        out, dout, delta, lse_in, lse, cu_seqlens_q,
+        *_seq_strides(out, varlen), *_seq_strides(dout, varlen), *_lse_strides(lse, varlen),
+        *_lse_strides(lse_in, varlen), nheads, max_seqlen_q, padded_rows,
+        HEADDIM=headdim, BLOCK_D=tile_d, BLOCK_M=pre.block_m, IS_VARLEN=varlen, PAD=pad, ALIGN=align,
+        cached_launch=opts.cached_launch,
+    )
+
     # fp32 accumulator for atomic dQ; otherwise dQ gets its own pass and the pointer is unused.
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else dq
     causal = window_right == 0
-    # with atomic dQ, the Gluon dK/dV only where it adds dQ itself (sm90_dkdv.fuses_dq)
-    dkdv_on_gluon = gluon_dkdv and (not atomic_dq or fuses_dq)
     c = cfgs.bwd_dkdv
+    # The grid now, on the caller's stream: a varlen grid's table is computed by torch ops on the current stream,
+    # which the side stream of a concurrent dK/dV has not waited for once forked.
     if not dkdv_on_gluon:
-        # The grid now, on the caller's stream: a varlen grid's table is computed by torch ops on the current stream,
-        # which the side stream of a concurrent dK/dV has not waited for once forked.
         grid, blocks, blocks_fastest = _launch_grid(nheads_k, c.block_n, c.blocks_fastest, cu_seqlens_k, k.shape[0],
                                                     batch, max_seqlen_k, heaviest_first=False, opts=opts)
+    elif varlen:  # the Gluon dK/dV's (sequence, key block) pairs, a sequence's first key block first
+        gluon_varlen = (cu_seqlens_q, cu_seqlens_k,
+                        varlen_blocks(cu_seqlens_k, k.shape[0], sm90_dkdv.BLOCK_N, heaviest_first=False,
+                                      longest_first=opts.varlen_longest_first))
+    else:
+        gluon_varlen = None
 
     def launch_dkdv(stream: Optional[int] = None):  # stream: a raw CUDA stream handle, None for the current one
         # host work only from here: on a side stream, device work of the current stream would not be ordered
         if dkdv_on_gluon:
             sm90_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal,
                                       alibi_slopes, dq_accum=dq_accum if atomic_dq else None,
-                                      seed_offset=seed_offset, dropout_p=dropout_p, options=opts, stream=stream)
+                                      seed_offset=seed_offset, dropout_p=dropout_p, options=opts, stream=stream,
+                                      varlen=gluon_varlen)
         else:
             tma_dkdv = c.tma and tma_usable(headdim, q, k, v, dout, dq_accum, dk, dv)
             if tma_dkdv:
@@ -490,10 +512,15 @@ def attn_bwd_impl(
     def launch_dq():
         if atomic_dq:
             dq.copy_(dq_accum)
-        elif cfgs.gluon_dq and sm90_dq is not None and sm90_dq.supported(q, k, v, dout, **gluon_scope):
+        elif gluon_dq:
+            dq_varlen = None
+            if varlen:  # the (sequence, query block) pairs, a sequence's last query block first
+                dq_varlen = (cu_seqlens_q, cu_seqlens_k,
+                             varlen_blocks(cu_seqlens_q, q.shape[0], sm90_dq.BLOCK_M, heaviest_first=True,
+                                           longest_first=opts.varlen_longest_first))
             sm90_dq.attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale, softmax_scale, causal,
                                   seed_offset=seed_offset, dropout_p=dropout_p, alibi_slopes=alibi_slopes,
-                                  beside_dkdv=concurrent, options=opts)
+                                  beside_dkdv=concurrent, options=opts, varlen=dq_varlen)
         else:
             c = cfgs.bwd_dq
             tma_dq = c.tma and tma_usable(headdim, k, v)  # not atomic_dq: that branch is taken above

@@ -524,13 +524,20 @@ def test_varlen_realistic_mix_bf16(nheads_k, headdim):
 ], ids=lambda c: (f"{len(c['lengths_q'])}seqs-{'causal' if c['causal'] else 'full'}-h{c['heads'][0]}:"
                   f"{c['heads'][1]}-d{c['headdim']}" + ("-sq_ne_sk" if "lengths_k" in c else "")
                   + ("-alibi" if c.get("alibi") else "")))
-def test_gluon_varlen_forward_matches_float64(case, dtype, monkeypatch):
-    # The Gluon forward on a varlen batch (sm90_fwd.attn_fwd_varlen): a program per (sequence, block) pair and head,
-    # the packed rows as the TMA views' rows; a tile past a sequence's end reads the next sequence's rows, masked as
-    # a dense row's last tile. The backward runs the Triton kernels on its LSE.
+@pytest.mark.parametrize("dq_form", ["dq_pass", "fused_dq"])
+def test_gluon_varlen_matches_float64(case, dtype, dq_form, monkeypatch):
+    # The Gluon kernels on a varlen batch: a program per (sequence, block) pair and head, the packed rows as the TMA
+    # views' rows. A forward or dQ tile past a sequence's end reads the next sequence's rows, masked as a dense row's
+    # last tile; dK/dV gives those rows an LSE of +inf (sm90_dkdv._row_lse) and stores no key past the end. The
+    # fused form adds dQ from dK/dV's TMA reduce-adds (head dim 128), whose rows past a sequence's end add zeros
+    # into the next one's.
+    if dq_form == "fused_dq" and not sm90_dkdv.fuses_dq(case["headdim"]):
+        pytest.skip(f"the Gluon dK/dV fuses dQ at head dim 128, not {case['headdim']}")
     calls = []
-    launch = sm90_fwd.attn_fwd_varlen
-    monkeypatch.setattr(sm90_fwd, "attn_fwd_varlen", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    for module, name in ((sm90_fwd, "attn_fwd_varlen"), (sm90_dkdv, "attn_bwd_dkdv"), (sm90_dq, "attn_bwd_dq")):
+        launch = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _launch=launch, _name=name, **kw: calls.append(
+            (_name, kw.get("varlen") is not None or _name == "attn_fwd_varlen")) or _launch(*a, **kw))
     torch.manual_seed(0)
     lengths_q = case["lengths_q"]
     lengths_k = case.get("lengths_k", lengths_q)
@@ -544,11 +551,13 @@ def test_gluon_varlen_forward_matches_float64(case, dtype, monkeypatch):
     kwargs = {"causal": case["causal"]}
     if case.get("alibi"):
         kwargs["alibi_slopes"] = _geometric_slopes(len(lengths_q), nheads)
-    with kernel_options.override(gluon_fwd=True):
+    fused = dq_form == "fused_dq"
+    with kernel_options.override(gluon_fwd=True, gluon_dkdv=True, gluon_dq=True, fused_dq=fused):
         out = flashpatch.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
-    assert calls == [1], calls
+    expected = [("attn_fwd_varlen", True), ("attn_bwd_dkdv", True)] + ([] if fused else [("attn_bwd_dq", True)])
+    assert sorted(calls) == sorted(expected), calls
     check_against_reference(out, grads, q, k, v, dout, reference=varlen_attention_reference, ref_args=(cu_q, cu_k),
                             **kwargs)
 
@@ -624,8 +633,9 @@ def test_inductor_fullgraph_compile():
     dict(shape=(2, 1024, 1024, 8, 2, 128), causal=True),  # the Gluon kernels (GQA)
     dict(shape=(1, 1000, 1000, 4, 4, 64), window_size=(255, 64)),  # the Triton kernels
     dict(shape=(2, 512, 512, 4, 1, 128), causal=True, dropout_p=0.1),  # dropout with GQA: a separate dQ pass
-    dict(lengths=[100, 513, 1024, 7], causal=True),  # varlen
-], ids=["gluon", "triton_window", "dropout_gqa", "varlen"])
+    dict(lengths=[100, 513, 1024, 7], causal=True, options=dict(fused_dq=False)),  # varlen, the Gluon dQ pass
+    dict(lengths=[100, 513, 1024, 7], causal=True, options=dict(gluon_dkdv=False)),  # varlen, the Triton kernels
+], ids=["gluon", "triton_window", "dropout_gqa", "varlen_gluon", "varlen_triton"])
 def test_concurrent_dq_matches_serial(case, monkeypatch):
     # KernelConfigs.concurrent_dq runs dK/dV on a side stream beside the dQ pass: the same kernels, so the same
     # bits as one after the other; and the side stream must have been used
@@ -635,7 +645,7 @@ def test_concurrent_dq_matches_serial(case, monkeypatch):
     monkeypatch.setattr(ops, "_side_stream",
                         lambda device, _make=ops._side_stream: used.append(device) or _make(device))
     torch.manual_seed(0)
-    kwargs = {key: value for key, value in case.items() if key not in ("shape", "lengths")}
+    kwargs = {key: value for key, value in case.items() if key not in ("shape", "lengths", "options")}
     if "lengths" in case:
         lengths = case["lengths"]
         cu = cu_seqlens_from_lengths(torch.tensor(lengths, device="cuda"))
@@ -648,7 +658,7 @@ def test_concurrent_dq_matches_serial(case, monkeypatch):
     dout = torch.randn_like(out)
     grads = {}
     for concurrent in (False, True):
-        with kernel_options.override(concurrent_dq=concurrent):
+        with kernel_options.override(concurrent_dq=concurrent, **case.get("options", {})):
             grads[concurrent] = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     assert used, "the concurrent backward did not use the side stream"
     for serial, concurrent in zip(grads[False], grads[True]):

@@ -415,12 +415,49 @@ def test_backward_preprocess_pads_lse_and_delta(seqlen_q):
     attn_bwd_preprocess_kernel[(batch * nheads, -(-padded // block))](
         out, dout, delta, lse, lse_padded, None, *out.stride()[:3], *dout.stride()[:3], *lse_padded.stride()[:2],
         *lse.stride()[:2], nheads, seqlen_q, padded, HEADDIM=headdim, BLOCK_D=headdim, BLOCK_M=block,
-        IS_VARLEN=False, PAD=True)
+        IS_VARLEN=False, PAD=True, ALIGN=128)
     expected_delta = (out * dout).sum(-1).transpose(1, 2)  # (B, H, S)
     torch.testing.assert_close(delta[..., :seqlen_q], expected_delta, rtol=1e-5, atol=1e-5)
     assert torch.equal(lse_padded[..., :seqlen_q], lse)
     assert torch.equal(delta[..., seqlen_q:], torch.zeros_like(delta[..., seqlen_q:]))
     assert torch.isposinf(lse_padded[..., seqlen_q:]).all()
+
+
+def test_backward_preprocess_pads_varlen_lse_per_sequence():
+    # Varlen: sequence b's LSE and delta start at (cu_seqlens[b] + 128 b) rounded down to a multiple of 128 and run on
+    # to its length rounded up to 128 (LSE +inf, delta 0 past the end), apart from every other sequence's rows, so
+    # that the Gluon backward's TMA loads of whole tiles start aligned and read P = 0 past the end
+    from flashpatch.kernels.triton.backward import attn_bwd_preprocess_kernel
+    from flashpatch.padding import cu_seqlens_from_lengths
+
+    lengths, nheads, headdim, align = [1, 0, 130, 17, 128, 300], 2, 64, 128
+    cu = cu_seqlens_from_lengths(torch.tensor(lengths))
+    total, batch = sum(lengths), len(lengths)
+    torch.manual_seed(0)
+    out, dout = (torch.randn(total, nheads, headdim) for _ in range(2))  # (T, H, D)
+    lse = torch.randn(nheads, total)
+    lse_padded = torch.full((nheads, total + align * batch), float("nan"))
+    delta = torch.full_like(lse_padded, float("nan"))
+    padded = -(-max(lengths) // align) * align
+    block = 32
+    attn_bwd_preprocess_kernel[(batch * nheads, -(-padded // block))](
+        out, dout, delta, lse, lse_padded, cu, 0, *out.stride()[:2], 0, *dout.stride()[:2], 0, lse_padded.stride(0),
+        0, lse.stride(0), nheads, max(lengths), padded, HEADDIM=headdim, BLOCK_D=headdim, BLOCK_M=block,
+        IS_VARLEN=True, PAD=True, ALIGN=align)
+    expected_delta = (out * dout).sum(-1).t()  # (H, T)
+    written = torch.zeros(lse_padded.shape[1], dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        first = int(cu[b])
+        start = (first + b * align) // align * align
+        rows = -(-n // align) * align
+        assert start % align == 0 and not written[start:start + rows].any(), (b, start)
+        written[start:start + rows] = True
+        assert torch.equal(lse_padded[:, start:start + n], lse[:, first:first + n])
+        torch.testing.assert_close(delta[:, start:start + n], expected_delta[:, first:first + n], rtol=1e-5,
+                                   atol=1e-5)
+        assert torch.isposinf(lse_padded[:, start + n:start + rows]).all()
+        assert torch.equal(delta[:, start + n:start + rows], torch.zeros(nheads, rows - n))
+    assert written.any() and lse_padded[:, ~written].isnan().all()  # nothing else written
 
 
 @pytest.mark.parametrize("headdim,dropout", [(64, False), (128, False), (128, True)])

@@ -37,7 +37,7 @@ def main():
     parser.add_argument("--dropout", action="store_true", help="dQ or dK/dV with dropout")
     parser.add_argument("--alibi", action="store_true", help="with ALiBi slopes")
     parser.add_argument("--key-tail", action="store_true", help="dK/dV: seqlen_k not a multiple of its key block")
-    parser.add_argument("--varlen", action="store_true", help="the forward's varlen form (attn_fwd_varlen)")
+    parser.add_argument("--varlen", action="store_true", help="the varlen form (a (sequence, block) table)")
     parser.add_argument("--persistent", action="store_true", help="the forward's or dQ's PERSISTENT variant")
     parser.add_argument("--consumers", type=int, default=0, help="the forward's consumer warpgroups (0: its rule)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=0|1",
@@ -57,11 +57,11 @@ def main():
         vec = f"tensordesc<fp32[{bm}],{gl.NVMMASharedLayout.get_default_for([bm], gl.float32)!r}>"
         descs = {"q_desc": desc(bm), "do_desc": desc(bm), "k_desc": desc(hk.BLOCK_N), "v_desc": desc(hk.BLOCK_N),
                  "lse_desc": vec, "delta_desc": vec}
-        consts = dict(CAUSAL=args.causal, KEY_TAIL=args.key_tail, HEADDIM=d, BLOCK_M=bm, HALF_N=hk.HALF_N,
+        consts = dict(CAUSAL=args.causal, HEADDIM=d, BLOCK_M=bm, HALF_N=hk.HALF_N,
                       STAGES=args.stages or hk.STAGES,
                       HEAD_GROUP=args.head_group, REG_KV=hk.register_kv(d), LSE_FIRST=hk.lse_first(d),
                       CONSUMER_REGS=hk.consumer_registers(d, args.dropout),
-                      PRODUCER_REGS=hk.worker_registers(args.dropout), FUSED_DQ=False, DROPOUT=args.dropout)
+                      PRODUCER_REGS=hk.worker_registers(args.dropout), FUSED_DQ=False, DROPOUT=args.dropout, KEY_TAIL=args.key_tail or args.varlen)
     elif args.kernel == "dq":
         fn, maxnreg = hq.attn_bwd_dq_hopper_kernel, hq.MAXNREG
         bn = args.block_n or hq.BLOCK_N
@@ -82,12 +82,11 @@ def main():
                       CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs)
         if not args.dropout:
             consts.update(SEED_OFFSET=None)  # the launcher's None without dropout
-        consts.update(VARLEN=args.varlen)
-        if not args.varlen:
-            consts.update(CU_SEQLENS_Q=None, CU_SEQLENS_K=None, VARLEN_BLOCKS=None)
         if not (args.persistent and args.causal and options.DEFAULT.causal_schedule):
             consts.update(SCHEDULE=None)  # the launcher's None but for a persistent causal grid's table
-    consts.update(ALIBI=args.alibi)
+    consts.update(ALIBI=args.alibi, VARLEN=args.varlen)
+    if not args.varlen:
+        consts.update(CU_SEQLENS_Q=None, CU_SEQLENS_K=None, VARLEN_BLOCKS=None)
     flags = dict(item.split("=") for item in args.set)
     consts.update({name: bool(int(flags.pop(name, consts.get(name, 0)))) for name in fn.arg_names
                    if name.startswith(("REG_", "FOLD", "LSE_FIRST"))})

@@ -128,8 +128,10 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
                                 tma=masked and not (dropout and block_d < 64)),
             atomic_dq=False,
             # The Gluon forward (three consumer warpgroups, sm90.fwd.CONSUMERS_BY_HEADDIM) wins with or without the
-            # mask but on short rows; the Gluon dQ loses everywhere at head dim 64.
+            # mask but on short rows; the Gluon dQ loses on dense rows at head dim 64, and on varlen batches runs
+            # with the Gluon dK/dV, which reads the LSE it pads (varlen mix: 282 TFLOP/s fwd+bwd against 254).
             gluon_fwd=not short,
+            gluon_dq=varlen,
             # The Gluon dK/dV wins with GQA and without a mask; on short causal rows the Triton one keeps a small
             # lead.
             gluon_dkdv=not (masked and short),
@@ -152,7 +154,8 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
             gluon_dkdv=True,
             gluon_fwd=True,  # with dropout too (its drawer warps)
             gluon_dq=True,
-            fused_dq=long_keys,
+            # the varlen mix: the fused dQ 377 TFLOP/s fwd+bwd against 358 with the dQ pass (GQA 16/8: 395 / 369)
+            fused_dq=long_keys or varlen,
         )
     elif block_d <= 128:
         # Head dim 128 without a mask (docs/tuning.md, "d128 unmasked tiles"): one-warpgroup dK/dV tiles over 64

@@ -189,6 +189,14 @@ def key_steps(m0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexp
 
 
 @gluon.jit
+def varlen_lse_start(q_first, seq):
+    """Where sequence `seq` (first token q_first) starts in a varlen backward's LSE and delta rows (triton.backward's
+    aligned_start, whose ALIGN is config.ALIGN = 128): a multiple of 128, so that the rows' TMA loads start
+    aligned, with the rows past the sequence's end padded like a dense row's."""
+    return (q_first + seq * 128) // 128 * 128
+
+
+@gluon.jit
 def varlen_query_block_program(VARLEN_BLOCKS, CU_SEQLENS_Q, CU_SEQLENS_K, nheads, group_size, CAUSAL: gl.constexpr,
                                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """This program's query block of a varlen batch (the forward's): (sequence, head, K/V head, first query row

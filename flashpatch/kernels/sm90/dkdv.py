@@ -47,9 +47,11 @@ the consumers' matmuls and softmax rather than inside them:
 The steps run over the query heads of the program's GQA group and, within a head, over the query blocks that see
 the program's keys. Scope, checked by `supported`: dense rows of any lengths (a last key block's keys past seqlen_k
 are masked, `_step`'s MASK 3, and not stored; a last query block's rows past seqlen_q have P = 0 from their padded
-LSE), bf16/fp16, head dim 64 or 128, causal (bottom-right aligned) or no mask, ALiBi slopes or none (each step
-takes its query head's slope), dropout at head dim 128, no window or softcap. Everything else, and every machine
-that is not sm_90 with Gluon, keeps the Triton kernel.
+LSE) and varlen batches without dropout (a program per (sequence, key block) pair; the packed rows are the TMA
+views' rows, and each sequence's LSE and delta rows are padded the same way, from an aligned start), bf16/fp16,
+head dim 64 or 128, causal (bottom-right aligned) or no mask, ALiBi slopes or none (each step takes its query head's
+slope), dropout at head dim 128 on dense rows, no window or softcap. Everything else, and every machine that is not
+sm_90 with Gluon, keeps the Triton kernel.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     TMA_REDUCE, alibi_bias, allocate_keep_ring, carry_addend, carry_shift_in_ptx, descriptor, dropout_seed_offset,
     fp32_descriptor, head_slope_log2, kept_dims, philox_wide, sm90_dense_ok, tma_load, tma_reduce_add,
-    vector_descriptor)
+    varlen_lse_start, vector_descriptor)
 from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_rows, head_and_block
 
 BLOCK_M = {64: 64, 128: 64}  # queries per step, by head dim
@@ -494,27 +496,57 @@ def _consumer(args, ALIBI_SLOPES, dq_parts, keep_parts, WG: gl.constexpr, CAUSAL
 @gluon.jit
 def attn_bwd_dkdv_hopper_kernel(
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, DK, DV, ALIBI_SLOPES, SEED_OFFSET,
+    CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS,  # varlen: (batch + 1,) int32 each, ops.varlen_blocks's (2, n)
     q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, dq_rows, dq_cols,  # see rows_view
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lse_b, stride_lse_h,
     stride_alibi_b, nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
     CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr,
     HALF_N: gl.constexpr, STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr,
     LSE_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FUSED_DQ: gl.constexpr,
-    DROPOUT: gl.constexpr,
+    DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = 2 * HALF_N
-    num_n = gl.cdiv(seqlen_k, BLOCK_N)
-    # Triton's 1-D grid order (triton/common.py); causal: the first key blocks see the most queries
-    off_bhk, pid_n = head_and_block(num_n, True, HEAD_GROUP)
-    off_b = off_bhk // nheads_k
-    off_hk = off_bhk % nheads_k
+    if VARLEN:  # a (sequence, key block) pair of VARLEN_BLOCKS per program, a K/V head's pairs side by side
+        gl.static_assert(not DROPOUT, "the varlen form draws no dropout")
+        gl.static_assert(KEY_TAIL, "a varlen sequence's last key block is masked")
+        pairs = gl.num_programs(0) // nheads_k
+        off_hk = gl.program_id(0) // pairs
+        pair = gl.program_id(0) % pairs
+        off_b = gl.load(VARLEN_BLOCKS + pair)  # the sequence
+        n0 = gl.load(VARLEN_BLOCKS + pairs + pair) * BLOCK_N
+        q_first = gl.load(CU_SEQLENS_Q + off_b)  # the sequence's first row in the packed tensors
+        k_first = gl.load(CU_SEQLENS_K + off_b)
+        seqlen_q = gl.load(CU_SEQLENS_Q + off_b + 1) - q_first
+        seqlen_k = gl.load(CU_SEQLENS_K + off_b + 1) - k_first
+        do_first = q_first
+        v_first = k_first
+        dq_first = q_first
+        lse_first_row = varlen_lse_start(q_first, off_b)
+        dk_first = k_first * stride_dks
+        dv_first = k_first * stride_dvs
+    else:
+        num_n = gl.cdiv(seqlen_k, BLOCK_N)
+        # Triton's 1-D grid order (triton/common.py); causal: the first key blocks see the most queries
+        off_bhk, pid_n = head_and_block(num_n, True, HEAD_GROUP)
+        off_b = off_bhk // nheads_k
+        off_hk = off_bhk % nheads_k
+        n0 = pid_n * BLOCK_N
+        q_first = off_b * q_rows[0]
+        do_first = off_b * do_rows[0]
+        k_first = off_b * k_rows[0]
+        v_first = off_b * v_rows[0]
+        dq_first = off_b * dq_rows[0]
+        lse_first_row = off_b * stride_lse_b
+        dk_first = off_b * stride_dkb
+        dv_first = off_b * stride_dvb
     off_h0 = off_hk * group_size
-    n0 = pid_n * BLOCK_N
     shift = seqlen_k - seqlen_q
     m_lo = 0
     if CAUSAL:
         m_lo = (gl.maximum(n0 - shift, 0) // BLOCK_M) * BLOCK_M
     n_mblocks = gl.cdiv(gl.maximum(seqlen_q - m_lo, 0), BLOCK_M)
+    if VARLEN:  # a pair past the last key block (ops.varlen_blocks) has no steps, and stores nothing
+        n_mblocks = gl.where(n0 < seqlen_k, n_mblocks, 0)
     m_end = m_lo + n_mblocks * BLOCK_M
     total = group_size * n_mblocks
 
@@ -558,9 +590,9 @@ def attn_bwd_dkdv_hopper_kernel(
         keep_parts = 0
     fence_async_shared()
 
-    lse_base = off_b * stride_lse_b + off_h0 * stride_lse_h
-    dk_base = off_b * stride_dkb + off_hk * stride_dkh
-    dv_base = off_b * stride_dvb + off_hk * stride_dvh
+    lse_base = lse_first_row + off_h0 * stride_lse_h
+    dk_base = dk_first + off_hk * stride_dkh
+    dv_base = dv_first + off_hk * stride_dvh
     alibi_base = off_b * stride_alibi_b + off_h0  # the slopes of the GQA group's query heads follow
     # the partitions' runtime arguments as tuples, their constexprs apart (a constexpr in a tuple is not one)
     consumer_args = (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar, DK, DV,
@@ -568,13 +600,13 @@ def attn_bwd_dkdv_hopper_kernel(
                      group_size, qk_scale, softmax_scale)
     producer_args = (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
                      delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
-                     off_b * q_rows[0] + off_h0 * q_rows[1], q_rows[1], off_h0 * q_cols, q_cols,
-                     off_b * do_rows[0] + off_h0 * do_rows[1], do_rows[1], off_h0 * do_cols, do_cols,
-                     off_b * k_rows[0] + off_hk * k_rows[1] + n0, off_hk * k_cols,
-                     off_b * v_rows[0] + off_hk * v_rows[1] + n0, off_hk * v_cols, lse_base, stride_lse_h,
+                     q_first + off_h0 * q_rows[1], q_rows[1], off_h0 * q_cols, q_cols,
+                     do_first + off_h0 * do_rows[1], do_rows[1], off_h0 * do_cols, do_cols,
+                     k_first + off_hk * k_rows[1] + n0, off_hk * k_cols,
+                     v_first + off_hk * v_rows[1] + n0, off_hk * v_cols, lse_base, stride_lse_h,
                      m_lo, m_end, total)
     if FUSED_DQ:  # a fourth partition, the reducer warp
-        reducer_args = (dq_desc, dq_bufs, dq_full, dq_empty, off_b * dq_rows[0] + off_h0 * dq_rows[1], dq_rows[1],
+        reducer_args = (dq_desc, dq_bufs, dq_full, dq_empty, dq_first + off_h0 * dq_rows[1], dq_rows[1],
                         off_h0 * dq_cols, dq_cols, m_lo, m_end, total)
     # the partition lists differ by member (warp_specialize takes literal lists); the consumers are alike in each
     if FUSED_DQ and DROPOUT:
@@ -620,10 +652,12 @@ def attn_bwd_dkdv_hopper_kernel(
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, varlen: bool,
               max_seqlen_q: int, max_seqlen_k: int, window_left: int, window_right: int, softcap: float,
               dropout_p: float) -> bool:
-    """Whether this kernel covers the call: sm_90 with Gluon, dense rows of any lengths, bf16/fp16, head dim 64 or
-    128, causal or unmasked, dropout at head dim 128. Anything else keeps the Triton kernel."""
+    """Whether this kernel covers the call: sm_90 with Gluon, dense rows of any lengths or varlen batches,
+    bf16/fp16, head dim 64 or 128, causal or unmasked, dropout at head dim 128 on dense rows. Anything else keeps
+    the Triton kernel."""
     return sm90_dense_ok(q, k, v, dout, varlen=varlen, window_left=window_left, window_right=window_right,
-                         softcap=softcap, dropout_p=dropout_p, with_dropout=q.shape[-1] == 128)
+                         softcap=softcap, dropout_p=dropout_p, with_dropout=q.shape[-1] == 128 and not varlen,
+                         with_varlen=True)
 
 
 def register_kv(headdim: int) -> bool:
@@ -689,7 +723,7 @@ def fuses_dq(headdim: int) -> bool:
 
 def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_scale: float, causal: bool,
                   alibi_slopes=None, dq_accum=None, seed_offset=None, dropout_p: float = 0.0,
-                  options: KernelOptions = DEFAULT, stream: int | None = None) -> None:
+                  options: KernelOptions = DEFAULT, stream: int | None = None, varlen=None) -> None:
     """dK, dV (written into dk, dv) for a call `supported` accepted. q, dout: (B, Sq, H, D); k, v: (B, Sk, Hk, D);
     lse, delta: (B, H, >= Sq rounded up to BLOCK_M) fp32 (natural-log LSE), LSE +inf and delta 0 past Sq
     (ops.attn_bwd_impl); qk_scale = softmax_scale * log2(e); alibi_slopes: None or float32 (H,) / (B, H).
@@ -697,7 +731,23 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     key blocks' reduce-adds land in any order). dropout_p > 0: the forward's keep bits, drawn from seed_offset
     (ops.draw_seed_offset's int64 (seed, offset)); head dim 128. options: its register_kv, dkdv_consumer_registers,
     head_group and cached_launch. stream: a raw CUDA stream handle to launch on (None: the
-    current stream)."""
+    current stream).
+
+    varlen: None for dense rows, or (cu_seqlens_q, cu_seqlens_k, blocks) for a varlen batch (no dropout): q, dout,
+    dq_accum (total_q, H, D), k, v, dk, dv (total_k, Hk, D); lse and delta (H, total_q + ALIGN x batch) with
+    sequence b's rows from common.varlen_lse_start, padded like a dense row's (ops.attn_bwd_impl); blocks
+    ops.varlen_blocks's (2, n) table of (sequence, key block) pairs in blocks of BLOCK_N keys."""
+    if varlen is not None:
+        if dropout_p > 0:
+            raise ValueError("the Gluon dK/dV draws no dropout on varlen batches")
+        cu_seqlens_q, cu_seqlens_k, blocks = varlen
+        # the packed rows as one batch row: (1, total, H, D), whose rows_view rows are the tokens
+        q, k, v, dout, dk, dv = (t.unsqueeze(0) for t in (q, k, v, dout, dk, dv))
+        if dq_accum is not None:
+            dq_accum = dq_accum.unsqueeze(0)
+        lse, delta = lse.unsqueeze(0), delta.unsqueeze(0)
+    else:
+        cu_seqlens_q = cu_seqlens_k = blocks = None
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     fused = dq_accum is not None
@@ -719,21 +769,24 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     assert delta.stride() == lse.stride() and lse.stride(-1) == 1, (lse.stride(), delta.stride())
     lse_desc, delta_desc = vector_descriptor(lse, block_m), vector_descriptor(delta, block_m)
     dq_desc, dq_rows, dq_cols = fp32_descriptor(dq_accum, block_m) if fused else (None, (0, 0), 0)
-    grid = (batch * nheads_k * cdiv(seqlen_k, BLOCK_N),)
+    if varlen is not None:  # the kernel reads each sequence's lengths from cu_seqlens
+        grid, seqlen_q, seqlen_k, order = (nheads_k * blocks.shape[1],), 0, 0, 1
+    else:
+        grid = (batch * nheads_k * cdiv(seqlen_k, BLOCK_N),)
+        order = head_group(causal, cdiv(seqlen_k, BLOCK_N), q.device, options.head_group)
     reg_kv, consumer_regs = options.register_kv, options.dkdv_consumer_registers
     launch(
         attn_bwd_dkdv_hopper_kernel, grid, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, dk, dv,
-        alibi_slopes, seed_offset,
+        alibi_slopes, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks,
         q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, dq_rows, dq_cols,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
         nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
-        CAUSAL=causal, KEY_TAIL=seqlen_k % BLOCK_N != 0, HEADDIM=headdim, BLOCK_M=block_m, HALF_N=HALF_N,
-        STAGES=STAGES,
-        HEAD_GROUP=head_group(causal, cdiv(seqlen_k, BLOCK_N), q.device, options.head_group),
+        CAUSAL=causal, KEY_TAIL=varlen is not None or seqlen_k % BLOCK_N != 0, HEADDIM=headdim, BLOCK_M=block_m,
+        HALF_N=HALF_N, STAGES=STAGES, HEAD_GROUP=order,
         ALIBI=alibi_slopes is not None, REG_KV=register_kv(headdim) if reg_kv is None else reg_kv,
         LSE_FIRST=lse_first(headdim),
         CONSUMER_REGS=consumer_registers(headdim, dropout) if consumer_regs is None else consumer_regs,
-        PRODUCER_REGS=worker_registers(dropout), FUSED_DQ=fused, DROPOUT=dropout,
+        PRODUCER_REGS=worker_registers(dropout), FUSED_DQ=fused, DROPOUT=dropout, VARLEN=varlen is not None,
         num_warps=4, maxnreg=launch_maxnreg(dropout), cached_launch=options.cached_launch, on_stream=stream,
     )

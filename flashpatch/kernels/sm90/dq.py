@@ -28,7 +28,7 @@ from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     alibi_bias, allocate_kv_ring, allocate_query_barriers, descriptor, dropout_seed_offset, head_slope_log2, key_limit,
     persistent_rounds, persistent_tile, philox_wide, producer_persistent, query_block_of_tile, query_block_program,
-    sm90_dense_ok, stream_kv, tma_load)
+    sm90_dense_ok, stream_kv, tma_load, varlen_lse_start, varlen_query_block_program)
 from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_rows, keep_from_words
 
 HALF_M = 64  # queries per consumer warpgroup
@@ -268,12 +268,13 @@ def _persistent_dq(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, SEED_OFFSET,
 @gluon.jit
 def attn_bwd_dq_hopper_kernel(
     q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, SEED_OFFSET, ALIBI_SLOPES,
+    CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS,  # varlen: (batch + 1,) int32 each, ops.varlen_blocks's (2, n)
     q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
     stride_dqb, stride_dqs, stride_dqh, stride_lse_b, stride_lse_h, stride_alibi_b,
     num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
     CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, DROPOUT: gl.constexpr, ALIBI: gl.constexpr,
-    PERSISTENT: gl.constexpr,
+    PERSISTENT: gl.constexpr, VARLEN: gl.constexpr,
 ):
     if PERSISTENT:  # num_tiles: batch x heads x query blocks, which the programs take in turn
         _persistent_dq(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, SEED_OFFSET, ALIBI_SLOPES, q_rows, q_cols,
@@ -282,8 +283,24 @@ def attn_bwd_dq_hopper_kernel(
                        seqlen_k, qk_scale, softmax_scale, dropout_p, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES,
                        HEAD_GROUP, DROPOUT, ALIBI)
         return
-    off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_program(
-        seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_GROUP)
+    if VARLEN:  # the views' rows are the packed tokens: a sequence starts at its cu_seqlens entry
+        gl.static_assert(not DROPOUT, "the varlen form draws no dropout")
+        off_b, off_h, off_hk, m0, shift, n_full, n_steps, q_first, k_first, seqlen_q, seqlen_k = (
+            varlen_query_block_program(VARLEN_BLOCKS, CU_SEQLENS_Q, CU_SEQLENS_K, nheads, group_size, CAUSAL,
+                                       2 * HALF_M, BLOCK_N))
+        do_first = q_first
+        v_first = k_first
+        dq_base = q_first * stride_dqs + off_h * stride_dqh
+        lse_base = off_h * stride_lse_h + varlen_lse_start(q_first, off_b)
+    else:
+        off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_program(
+            seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_GROUP)
+        q_first = off_b * q_rows[0]
+        do_first = off_b * do_rows[0]
+        k_first = off_b * k_rows[0]
+        v_first = off_b * v_rows[0]
+        dq_base = off_b * stride_dqb + off_h * stride_dqh
+        lse_base = off_b * stride_lse_b + off_h * stride_lse_h
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, do_desc.block_type.shape, do_desc.layout)
     k_bufs, v_bufs, ready_k, ready_v, empty = allocate_kv_ring(k_desc, v_desc, STAGES, 2)
@@ -291,8 +308,6 @@ def attn_bwd_dq_hopper_kernel(
     mbarrier.init(qdo_bar, count=1)
     fence_async_shared()
 
-    dq_base = off_b * stride_dqb + off_h * stride_dqh
-    lse_base = off_b * stride_lse_b + off_h * stride_lse_h
     drop_rows = dropout_head_rows(off_b, nheads, off_h, seqlen_q) + m0 // 2
     alibi_log2 = head_slope_log2(ALIBI_SLOPES, off_b * stride_alibi_b + off_h, ALIBI)
     gl.warp_specialize([
@@ -306,10 +321,10 @@ def attn_bwd_dq_hopper_kernel(
                         HALF_M, BLOCK_N, STAGES, DROPOUT, ALIBI)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v,
                         empty, qdo_bar,
-                        off_b * q_rows[0] + off_h * q_rows[1] + m0, off_h * q_cols,
-                        off_b * do_rows[0] + off_h * do_rows[1] + m0, off_h * do_cols,
-                        off_b * k_rows[0] + off_hk * k_rows[1], off_hk * k_cols,
-                        off_b * v_rows[0] + off_hk * v_rows[1], off_hk * v_cols,
+                        q_first + off_h * q_rows[1] + m0, off_h * q_cols,
+                        do_first + off_h * do_rows[1] + m0, off_h * do_cols,
+                        k_first + off_hk * k_rows[1], off_hk * k_cols,
+                        v_first + off_hk * v_rows[1], off_hk * v_cols,
                         n_steps, BLOCK_N, STAGES)),
     ], [4, 1], [232, 24])
 
@@ -317,19 +332,33 @@ def attn_bwd_dq_hopper_kernel(
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, varlen: bool,
               max_seqlen_q: int, max_seqlen_k: int, window_left: int, window_right: int, softcap: float,
               dropout_p: float) -> bool:
-    """common.sm90_dense_ok, with dropout, any lengths (the forward's bounds: fwd.supported)."""
+    """common.sm90_dense_ok, with dropout on dense rows, any lengths, varlen batches without dropout (the
+    forward's bounds: fwd.supported)."""
     return sm90_dense_ok(q, k, v, dout, varlen=varlen, window_left=window_left, window_right=window_right,
-                         softcap=softcap, dropout_p=dropout_p, with_dropout=True)
+                         softcap=softcap, dropout_p=dropout_p, with_dropout=not varlen, with_varlen=True)
 
 
 def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: float, causal: bool,
                 seed_offset=None, dropout_p: float = 0.0, alibi_slopes=None, beside_dkdv: bool = False,
-                options: KernelOptions = DEFAULT) -> None:
+                options: KernelOptions = DEFAULT, varlen=None) -> None:
     """dQ (written into dq, (B, Sq, H, D)) for a call `supported` accepted; lse, delta: (B, H, >= Sq rounded up to
     BLOCK_M) fp32, LSE +inf and delta 0 past Sq (ops.attn_bwd_impl);
     seed_offset: the forward's (2,) int64 (ops.draw_seed_offset) when dropout_p > 0; alibi_slopes: None or float32
     (H,) / (B, H); beside_dkdv: the dK/dV kernel runs at the same time on another stream (config.persistent_grid);
-    options: its persistent_dq, head_group and cached_launch."""
+    options: its persistent_dq, head_group and cached_launch.
+
+    varlen: None for dense rows, or (cu_seqlens_q, cu_seqlens_k, blocks) for a varlen batch (no dropout): q, dout,
+    dq (total_q, H, D), k, v (total_k, Hk, D), lse and delta (H, total_q + ALIGN x batch) padded per sequence as
+    dkdv.attn_bwd_dkdv's, blocks ops.varlen_blocks's (2, n) table of (sequence, query block) pairs in blocks of
+    BLOCK_M queries. One program per head and pair."""
+    if varlen is not None:
+        if dropout_p > 0:
+            raise ValueError("the Gluon dQ draws no dropout on varlen batches")
+        cu_seqlens_q, cu_seqlens_k, blocks = varlen
+        q, k, v, dout, dq = (t.unsqueeze(0) for t in (q, k, v, dout, dq))  # (1, total, H, D)
+        lse, delta = lse.unsqueeze(0), delta.unsqueeze(0)
+    else:
+        cu_seqlens_q = cu_seqlens_k = blocks = None
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     q_desc, q_rows, q_cols = descriptor(q, BLOCK_M)
@@ -342,17 +371,22 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
     persistent = options.persistent_dq
     if persistent is None:
         persistent = persistent_grid("dq", num_m, headdim, beside_dkdv)
-    if persistent:  # as fwd.attn_fwd's
+    if varlen is not None:  # the kernel reads each sequence's lengths from cu_seqlens
+        grid, persistent, order, seqlen_q, seqlen_k = (nheads * blocks.shape[1],), False, 1, 0, 0
+        num_tiles = grid[0]
+    elif persistent:  # as fwd.attn_fwd's
         grid = (min(num_tiles, sm_count(q.device)),)
         order = 0 if causal else order
     else:
         grid = (num_tiles,)
     launch(
         attn_bwd_dq_hopper_kernel, grid, q_desc, do_desc, k_desc, v_desc, dq, lse, delta, seed_offset, alibi_slopes,
+        cu_seqlens_q, cu_seqlens_k, blocks,
         q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,
         dq.stride(0), dq.stride(1), dq.stride(2), lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
         num_tiles, nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HEAD_GROUP=order, DROPOUT=dropout_p > 0, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
+        VARLEN=varlen is not None,
         num_warps=4, maxnreg=MAXNREG, cached_launch=options.cached_launch,
     )

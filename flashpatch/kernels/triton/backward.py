@@ -29,11 +29,13 @@ def attn_bwd_preprocess_kernel(
     stride_lse_in_b, stride_lse_in_h,  # LSE's (PAD only)
     nheads, max_seqlen_q, padded_rows,
     HEADDIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PAD: tl.constexpr,
+    PAD: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """delta = rowsum(dO * O) per query row. PAD (dense rows): also the forward's LSE copied into LSE_PADDED, whose
-    rows run on to padded_rows with LSE +inf and delta 0, so that a kernel reading whole tiles past seqlen_q gets
-    P = 0 there (the Gluon backward kernels)."""
+    """delta = rowsum(dO * O) per query row. PAD: also the forward's LSE copied into LSE_PADDED, each sequence's
+    rows run on to a multiple of ALIGN with LSE +inf and delta 0, so that a kernel reading whole tiles past seqlen_q
+    gets P = 0 there (the Gluon backward kernels). Dense rows run on to padded_rows; a varlen batch's sequence b
+    starts at `aligned_start` (its first token + b * ALIGN, rounded down to a multiple of ALIGN), which keeps the
+    sequences apart and every start aligned for the Gluon kernels' TMA loads."""
     off_bh = tl.program_id(0)  # batch * heads on axis 0: its limit is 2^31 - 1, axis 1's is 65535
     pid_m = tl.program_id(1)
     off_b = (off_bh // nheads).to(tl.int64)
@@ -47,14 +49,28 @@ def attn_bwd_preprocess_kernel(
     do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + rows * stride_dos + offs_d[None, :], mask=mask,
                  other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    row_base = off_b * stride_lse_b + off_h * stride_lse_h + q_start
     if PAD:
-        lse = tl.load(LSE + off_b * stride_lse_in_b + off_h * stride_lse_in_h + offs_m, mask=offs_m < seqlen_q,
-                      other=float("inf"))
-        tl.store(LSE_PADDED + row_base + offs_m, lse, mask=offs_m < padded_rows)
-        tl.store(DELTA + row_base + offs_m, delta, mask=offs_m < padded_rows)
+        lse = tl.load(LSE + off_b * stride_lse_in_b + off_h * stride_lse_in_h + q_start + offs_m,
+                      mask=offs_m < seqlen_q, other=float("inf"))
+        if IS_VARLEN:
+            row_base = off_h * stride_lse_h + aligned_start(q_start, off_b, ALIGN)
+            end = tl.cdiv(seqlen_q, ALIGN) * ALIGN
+        else:
+            row_base = off_b * stride_lse_b + off_h * stride_lse_h
+            end = padded_rows
+        tl.store(LSE_PADDED + row_base + offs_m, lse, mask=offs_m < end)
+        tl.store(DELTA + row_base + offs_m, delta, mask=offs_m < end)
     else:
+        row_base = off_b * stride_lse_b + off_h * stride_lse_h + q_start
         tl.store(DELTA + row_base + offs_m, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def aligned_start(q_start, seq, ALIGN: tl.constexpr):
+    """Where sequence `seq` (first token q_start) starts in a varlen backward's padded LSE and delta:
+    (q_start + seq * ALIGN) rounded down to a multiple of ALIGN. Each start is at least the previous one plus its
+    length rounded up to ALIGN, so the padded rows never overlap; the rows need the token count + ALIGN x batch."""
+    return (q_start + seq * ALIGN) // ALIGN * ALIGN
 
 
 @triton.jit
