@@ -666,7 +666,9 @@ def test_concurrent_dq_matches_serial(case, monkeypatch):
         assert torch.equal(serial, concurrent)
 
 
-def test_concurrent_backward_makes_the_varlen_grid_before_the_fork_bf16(monkeypatch):
+@pytest.mark.parametrize("kernels", [dict(gluon_dkdv=False), dict(gluon_dkdv=True, gluon_dq=True, fused_dq=False)],
+                         ids=["triton_dkdv", "gluon_dkdv"])
+def test_concurrent_backward_makes_the_varlen_grid_before_the_fork_bf16(kernels, monkeypatch):
     # A varlen dK/dV grid's (sequence, block) table is made by torch ops on the caller's stream (ops.varlen_blocks),
     # and a concurrent backward runs dK/dV on a side stream forked from it: the table must be made before the fork.
     # A sleep queued on the caller's stream before each table is made holds it back long enough that a dK/dV forked
@@ -683,7 +685,7 @@ def test_concurrent_backward_makes_the_varlen_grid_before_the_fork_bf16(monkeypa
     grads = {}
     for concurrent in (True, False):
         cu = cu_seqlens_from_lengths(torch.tensor(lengths, device="cuda"))
-        with kernel_options.override(concurrent_dq=concurrent, atomic_dq=False, gluon_dkdv=False):
+        with kernel_options.override(concurrent_dq=concurrent, atomic_dq=False, **kernels):
             out = flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
             grads[concurrent] = torch.autograd.grad(out, (q, k, v), dout)
     for concurrent, serial in zip(grads[True], grads[False]):
