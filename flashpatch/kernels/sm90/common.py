@@ -199,7 +199,7 @@ def varlen_lse_start(q_first, seq):
 @gluon.jit
 def varlen_query_block_program(VARLEN_BLOCKS, CU_SEQLENS_Q, CU_SEQLENS_K, nheads, group_size, CAUSAL: gl.constexpr,
                                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """This program's query block of a varlen batch (the forward's): (sequence, head, K/V head, first query row
+    """This program's query block of a varlen batch (the forward's and dQ's): (sequence, head, K/V head, first query row
     within the sequence, Sk - Sq, key blocks below the diagonal, key blocks to visit, the sequence's first query row
     and first key row in the packed tensors, its query length). The grid holds nheads x the (sequence, block) pairs
     of VARLEN_BLOCKS ((2, n) int32, ops.varlen_blocks), a head's pairs side by side; a pair past the last block
