@@ -443,7 +443,7 @@ def attn_bwd_impl(
     # rows: (B, H, Sq rounded up); varlen: (H, total_q + ALIGN x batch, rounded up), sequence b from an aligned start
     # (triton.backward.aligned_start). The Triton kernels read the forward's LSE as it is.
     align = kernel_config.ALIGN
-    pad = (dkdv_on_gluon or gluon_dq) if varlen else max_seqlen_q % align != 0
+    pad = dkdv_on_gluon if varlen else max_seqlen_q % align != 0  # varlen: the Gluon dQ runs only beside it
     padded_rows = cdiv(max_seqlen_q, align) * align if pad else max_seqlen_q
     lse_in = lse
     if pad:

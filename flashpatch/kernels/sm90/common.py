@@ -13,8 +13,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashpatch.kernels.config import ALIGN
 from flashpatch.kernels.sm90 import capability, enabled
 from flashpatch.kernels.triton.common import dropout_threshold, tile_head_and_block
+
+LSE_ALIGN = gl.constexpr(ALIGN)  # the varlen backward's LSE rows start at multiples of this (`varlen_lse_start`)
 
 # TMA tile load into shared memory, signalling an mbarrier: renamed after Triton 3.6
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -190,10 +193,27 @@ def key_steps(m0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexp
 
 @gluon.jit
 def varlen_lse_start(q_first, seq):
-    """Where sequence `seq` (first token q_first) starts in a varlen backward's LSE and delta rows (triton.backward's
-    aligned_start, whose ALIGN is config.ALIGN = 128): a multiple of 128, so that the rows' TMA loads start
+    """Where sequence `seq` (first token q_first) starts in a varlen backward's LSE and delta rows, as
+    triton.backward's aligned_start places it: a multiple of config.ALIGN, so that the rows' TMA loads start
     aligned, with the rows past the sequence's end padded like a dense row's."""
-    return (q_first + seq * 128) // 128 * 128
+    return (q_first + seq * LSE_ALIGN) // LSE_ALIGN * LSE_ALIGN
+
+
+@gluon.jit
+def varlen_pair(VARLEN_BLOCKS, CU_SEQLENS_Q, CU_SEQLENS_K, heads):
+    """This program's (sequence, head, block index, first query row and first key row in the packed tensors, query
+    length, key length) on a varlen grid of `heads` x the (sequence, block) pairs of VARLEN_BLOCKS ((2, n) int32,
+    ops.varlen_blocks), a head's pairs side by side."""
+    pairs = gl.num_programs(0) // heads
+    head = gl.program_id(0) // pairs
+    pair = gl.program_id(0) % pairs
+    seq = gl.load(VARLEN_BLOCKS + pair)
+    block = gl.load(VARLEN_BLOCKS + pairs + pair)
+    q_first = gl.load(CU_SEQLENS_Q + seq)
+    k_first = gl.load(CU_SEQLENS_K + seq)
+    seqlen_q = gl.load(CU_SEQLENS_Q + seq + 1) - q_first
+    seqlen_k = gl.load(CU_SEQLENS_K + seq + 1) - k_first
+    return seq, head, block, q_first, k_first, seqlen_q, seqlen_k
 
 
 @gluon.jit
@@ -202,17 +222,11 @@ def varlen_query_block_program(VARLEN_BLOCKS, CU_SEQLENS_Q, CU_SEQLENS_K, nheads
     """This program's query block of a varlen batch (the forward's and dQ's): (sequence, head, K/V head, first query row
     within the sequence, Sk - Sq, key blocks below the diagonal, key blocks to visit, the sequence's first query row
     and first key row in the packed tensors, its query length). The grid holds nheads x the (sequence, block) pairs
-    of VARLEN_BLOCKS ((2, n) int32, ops.varlen_blocks), a head's pairs side by side; a pair past the last block
-    gets no steps and a query length of 0, so it stores nothing."""
-    pairs = gl.num_programs(0) // nheads
-    off_h = gl.program_id(0) // pairs
-    pair = gl.program_id(0) % pairs
-    seq = gl.load(VARLEN_BLOCKS + pair)
-    m0 = gl.load(VARLEN_BLOCKS + pairs + pair) * BLOCK_M
-    q_start = gl.load(CU_SEQLENS_Q + seq)
-    k_start = gl.load(CU_SEQLENS_K + seq)
-    seqlen_q = gl.load(CU_SEQLENS_Q + seq + 1) - q_start
-    seqlen_k = gl.load(CU_SEQLENS_K + seq + 1) - k_start
+    of VARLEN_BLOCKS (`varlen_pair`); a pair past the last block gets no steps and a query length of 0, so it
+    stores nothing."""
+    seq, off_h, block, q_start, k_start, seqlen_q, seqlen_k = varlen_pair(VARLEN_BLOCKS, CU_SEQLENS_Q, CU_SEQLENS_K,
+                                                                          nheads)
+    m0 = block * BLOCK_M
     shift, n_full, n_steps = key_steps(m0, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
     past_end = m0 >= seqlen_q
     n_steps = gl.where(past_end, 0, n_steps)

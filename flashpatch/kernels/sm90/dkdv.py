@@ -68,7 +68,7 @@ from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     TMA_REDUCE, alibi_bias, allocate_keep_ring, carry_addend, carry_shift_in_ptx, descriptor, dropout_seed_offset,
     fp32_descriptor, head_slope_log2, kept_dims, philox_wide, sm90_dense_ok, tma_load, tma_reduce_add,
-    varlen_lse_start, vector_descriptor)
+    varlen_lse_start, varlen_pair, vector_descriptor)
 from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_rows, head_and_block
 
 BLOCK_M = {64: 64, 128: 64}  # queries per step, by head dim
@@ -509,15 +509,9 @@ def attn_bwd_dkdv_hopper_kernel(
     if VARLEN:  # a (sequence, key block) pair of VARLEN_BLOCKS per program, a K/V head's pairs side by side
         gl.static_assert(not DROPOUT, "the varlen form draws no dropout")
         gl.static_assert(KEY_TAIL, "a varlen sequence's last key block is masked")
-        pairs = gl.num_programs(0) // nheads_k
-        off_hk = gl.program_id(0) // pairs
-        pair = gl.program_id(0) % pairs
-        off_b = gl.load(VARLEN_BLOCKS + pair)  # the sequence
-        n0 = gl.load(VARLEN_BLOCKS + pairs + pair) * BLOCK_N
-        q_first = gl.load(CU_SEQLENS_Q + off_b)  # the sequence's first row in the packed tensors
-        k_first = gl.load(CU_SEQLENS_K + off_b)
-        seqlen_q = gl.load(CU_SEQLENS_Q + off_b + 1) - q_first
-        seqlen_k = gl.load(CU_SEQLENS_K + off_b + 1) - k_first
+        off_b, off_hk, block, q_first, k_first, seqlen_q, seqlen_k = varlen_pair(
+            VARLEN_BLOCKS, CU_SEQLENS_Q, CU_SEQLENS_K, nheads_k)  # off_b: the sequence
+        n0 = block * BLOCK_N
         do_first = q_first
         v_first = k_first
         dq_first = q_first
