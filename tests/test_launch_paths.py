@@ -225,6 +225,28 @@ def test_gluon_dkdv_refuses_dropout_it_cannot_draw(headdim, with_seed):
                                   seed_offset=seed_offset, dropout_p=0.1)
 
 
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+def test_gluon_backward_refuses_dropout_on_varlen_batches(kernel):
+    # the varlen forms of the Gluon dK/dV and dQ draw no keep bits (`supported` keeps those calls on the Triton
+    # kernels); a direct call is refused naming dropout_p, before a descriptor is built
+    from flashpatch.kernels.sm90 import dkdv as sm90_dkdv, dq as sm90_dq
+
+    lengths = [17, 1, 113]
+    cu = cu_seqlens_from_lengths(torch.tensor(lengths))
+    q = torch.randn(sum(lengths), 4, 128, dtype=torch.float16)  # (T, H, D)
+    k, v = (torch.randn(sum(lengths), 2, 128, dtype=torch.float16) for _ in "kv")  # (T, Hk, D)
+    lse = torch.zeros(4, sum(lengths) + 128 * len(lengths))
+    varlen = (cu, cu, torch.zeros(2, 3, dtype=torch.int32))
+    seed_offset = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="dropout_p=0.1"):
+        if kernel == "dkdv":
+            sm90_dkdv.attn_bwd_dkdv(q, k, v, q, lse, lse.clone(), k.clone(), v.clone(), 1.0, 1.0, True,
+                                      seed_offset=seed_offset, dropout_p=0.1, varlen=varlen)
+        else:
+            sm90_dq.attn_bwd_dq(q, k, v, q, lse, lse.clone(), q.clone(), 1.0, 1.0, True, seed_offset=seed_offset,
+                                  dropout_p=0.1, varlen=varlen)
+
+
 @pytest.mark.parametrize("headdim,with_seed", [(64, True), (128, False)], ids=["d64", "no_seed_offset"])
 def test_gluon_forward_refuses_dropout_it_cannot_draw(headdim, with_seed):
     # the forward's drawer warps (sm90_fwd._fwd_keep_drawer) serve head dim 128, from a (seed, offset) tensor, and

@@ -733,7 +733,7 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     ops.varlen_blocks's (2, n) table of (sequence, key block) pairs in blocks of BLOCK_N keys."""
     if varlen is not None:
         if dropout_p > 0:
-            raise ValueError("the Gluon dK/dV draws no dropout on varlen batches")
+            raise ValueError(f"the Gluon dK/dV draws no dropout on varlen batches, got dropout_p={dropout_p}")
         cu_seqlens_q, cu_seqlens_k, blocks = varlen
         # the packed rows as one batch row: (1, total, H, D), whose rows_view rows are the tokens
         q, k, v, dout, dk, dv = (t.unsqueeze(0) for t in (q, k, v, dout, dk, dv))

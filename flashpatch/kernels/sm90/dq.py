@@ -353,7 +353,7 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
     BLOCK_M queries. One program per head and pair."""
     if varlen is not None:
         if dropout_p > 0:
-            raise ValueError("the Gluon dQ draws no dropout on varlen batches")
+            raise ValueError(f"the Gluon dQ draws no dropout on varlen batches, got dropout_p={dropout_p}")
         cu_seqlens_q, cu_seqlens_k, blocks = varlen
         q, k, v, dout, dq = (t.unsqueeze(0) for t in (q, k, v, dout, dq))  # (1, total, H, D)
         lse, delta = lse.unsqueeze(0), delta.unsqueeze(0)
