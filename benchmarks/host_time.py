@@ -5,7 +5,9 @@ microseconds, so that what is timed is the host's. GPU only.
 
 Each case runs as a model's layer does: inputs that need grad, forward, backward with a given output gradient.
 A figure is the median over `repeats` runs of the mean over `iters` calls (perf_counter around the loop; the GPU
-is synchronized before and after, not inside). Cases: dense causal rows (the 1B model's and the 121M model's
+is synchronized before and after, not inside). The implementations take turns run by run, so that a drift of the
+host's speed (the GPU machines' CPUs vary by tens of percent over a minute) reaches them alike; the table gives the
+spread of flashpatch / SDPA over the runs. Cases: dense causal rows (the 1B model's and the 121M model's
 heads), the same with dropout 0.1, and a padded batch (flashpatch: flash_attn_varlen_func on unpadded tokens;
 SDPA: a boolean padding mask). flashpatch runs with its launch cache (options.KernelOptions.cached_launch) and
 without it. Writes host_time.md and host_time.json to --out, appends to --history, prints the table last.
@@ -33,18 +35,29 @@ from flashpatch.kernels import options  # noqa: E402
 SHAPES = {"d128 GQA 16/4": (1, 128, 16, 4, 128), "d64 GQA 12/4": (1, 128, 12, 4, 64)}
 
 
-def host_us(step, iters: int, repeats: int) -> float:
-    for _ in range(10):
-        step()
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
+def host_us(steps: dict, iters: int, repeats: int) -> dict:
+    """{name: median us per call} of each step, the steps taking turns: run r of every step before run r + 1 of
+    any. Also {name + " runs": [us per call of each run]}."""
+    for step in steps.values():
+        for _ in range(10):
             step()
-        runs.append((time.perf_counter() - start) / iters * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(runs)
+    torch.cuda.synchronize()
+    runs = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for _ in range(iters):
+                step()
+            runs[name].append((time.perf_counter() - start) / iters * 1e6)
+            torch.cuda.synchronize()
+    return {**{name: statistics.median(r) for name, r in runs.items()}, **{f"{n} runs": r for n, r in runs.items()}}
+
+
+def uncached(step):
+    def run():
+        with options.override(cached_launch=False):
+            step()
+    return run
 
 
 def cases(shape):
@@ -96,21 +109,20 @@ def main():
     rows = []
     for shape_name, shape in SHAPES.items():
         for case, (fp, sdpa) in cases(shape).items():
-            with options.override(cached_launch=False):
-                uncached = host_us(fp, args.iters, args.repeats)
-            cached = host_us(fp, args.iters, args.repeats)
-            peer = host_us(sdpa, args.iters, args.repeats)
-            rows.append(dict(shape=shape_name, case=case, fpatch=cached, fpatch_uncached=uncached, sdpa=peer))
-            print(f"{shape_name} {case}: fpatch {cached:.0f} us (no launch cache {uncached:.0f}), sdpa {peer:.0f}",
-                  file=sys.stderr, flush=True)
+            t = host_us({"fpatch": fp, "fpatch_uncached": uncached(fp), "sdpa": sdpa}, args.iters, args.repeats)
+            ratios = [a / b for a, b in zip(t["fpatch runs"], t["sdpa runs"])]
+            rows.append(dict(shape=shape_name, case=case, fpatch=t["fpatch"], fpatch_uncached=t["fpatch_uncached"],
+                             sdpa=t["sdpa"], ratio_min=min(ratios), ratio_max=max(ratios)))
+            print(f"{shape_name} {case}: fpatch {t['fpatch']:.0f} us (no launch cache {t['fpatch_uncached']:.0f}), "
+                  f"sdpa {t['sdpa']:.0f}", file=sys.stderr, flush=True)
     lines = [f"## Host time per attention forward + backward, {gpu}", "",
              f"torch {torch.__version__}, Triton {triton.__version__}, bf16, causal; median of {args.repeats} runs of "
-             f"{args.iters} calls (`python benchmarks/host_time.py`)", "",
-             "| heads | case | flashpatch us | flashpatch, no launch cache us | SDPA us | flashpatch / SDPA |",
+             f"{args.iters} calls, the implementations taking turns (`python benchmarks/host_time.py`)", "",
+             "| heads | case | flashpatch us | flashpatch, no launch cache us | SDPA us | flashpatch / SDPA (runs) |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['case']} | {r['fpatch']:.0f} | {r['fpatch_uncached']:.0f} | {r['sdpa']:.0f} "
-                     f"| {r['fpatch'] / r['sdpa']:.2f}x |")
+                     f"| {r['fpatch'] / r['sdpa']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) |")
     table = "\n".join(lines)
     if args.out:
         out = Path(args.out)

@@ -11,10 +11,11 @@ No argument checking here: flashpatch.validation does it in the public layer.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import threading
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import triton
@@ -288,6 +289,61 @@ def _on_input_device(fn):
     return on_device
 
 
+_MAX_PLANS = 1024  # call signatures kept; a process meeting more starts over
+_plans: dict[tuple, Any] = {}
+
+
+def _tensor_key(t: Optional[torch.Tensor]):
+    """What a call's decisions and its launches' specialization read from a tensor: shape, strides, dtype and
+    16-byte alignment (None for an absent one)."""
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.data_ptr() % 16
+
+
+def _plan_key(kind: str, opts: kernel_options.KernelOptions, tensors: tuple, *scalars) -> tuple:
+    """The key of a call's plan: everything its decisions read (the tensors' metadata, the scalar arguments that pick
+    kernels and tiles, the options, whether the Gluon kernels may run, the device), so that two calls with equal keys
+    make the same decisions and pass their launches arguments of the same signature (launch.launch's `site`). The
+    tensors the call allocates itself follow from these (fresh allocations are contiguous and 256-byte aligned)."""
+    return (kind, opts, sm90.enabled(), tensors[0].device, *map(_tensor_key, tensors), *scalars)
+
+
+def _planned(key: tuple, make: Callable[[], Any]):
+    """make(), once per key: the decisions of a call signature, which a training run repeats every step and layer."""
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        plan = _plans[key] = make()
+    return plan
+
+
+def _empty_like(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A contiguous tensor shaped like t (empty_like's host path is the shorter one where t is contiguous)."""
+    if t.is_contiguous():
+        return torch.empty_like(t, dtype=dtype)
+    return torch.empty(t.shape, dtype=t.dtype if dtype is None else dtype, device=t.device)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FwdPlan:
+    cfgs: kernel_config.KernelConfigs
+    gluon: bool  # the Gluon forward takes the call
+    tma: bool  # the Triton forward's tensor descriptors (tma_usable)
+    site: Any  # launch.launch's site for the call's launch (None: the launch builds its argument key)
+
+
+def _fwd_plan(q, k, v, out, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, softcap, dropout_p,
+              opts, key) -> _FwdPlan:
+    cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p, opts)
+    gluon = cfgs.gluon_fwd and sm90_fwd is not None and sm90_fwd.supported(
+        q, k, v, varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
+        window_right=window_right, softcap=softcap, dropout_p=dropout_p)
+    tma = not gluon and cfgs.fwd.tma and tma_usable(q.shape[-1], q, k, v, out)
+    return _FwdPlan(cfgs, gluon, tma, key if opts.cached_launch else None)
+
+
 def batch_size(q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]) -> int:
     return cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else q.shape[0]
 
@@ -316,29 +372,31 @@ def attn_fwd_impl(
     nheads, headdim = q.shape[-2], q.shape[-1]
     nheads_k = k.shape[-2]
     batch = batch_size(q, cu_seqlens_q)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = _empty_like(q)
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
     opts = kernel_options.current()  # read once: every launch of the call takes the same
-    cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p, opts)
-    if cfgs.gluon_fwd and sm90_fwd is not None and sm90_fwd.supported(  # the Gluon kernel where it applies
-            q, k, v, varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
-            window_right=window_right, softcap=softcap, dropout_p=dropout_p):
+    key = _plan_key("fwd", opts, (q, k, v, cu_seqlens_q, cu_seqlens_k, seed_offset, alibi_slopes), max_seqlen_q,
+                    max_seqlen_k, window_left, window_right, softcap > 0, dropout_p > 0)
+    plan = _planned(key, lambda: _fwd_plan(q, k, v, out, varlen, max_seqlen_q, max_seqlen_k, window_left,
+                                           window_right, softcap, dropout_p, opts, key))
+    cfgs = plan.cfgs
+    if plan.gluon:  # the Gluon kernel where it applies
         qk_scale = _scales(softmax_scale, softcap)[0]
         if varlen:
             blocks = varlen_blocks(cu_seqlens_q, q.shape[0], sm90_fwd.varlen_block_rows(headdim), heaviest_first=True,
                                    longest_first=opts.varlen_longest_first)
             sm90_fwd.attn_fwd_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, blocks, max_seqlen_k, qk_scale,
                                      causal=window_right == 0, alibi_slopes=alibi_slopes, fold=cfgs.fold_scale,
-                                     options=opts)
+                                     options=opts, site=plan.site)
         else:
             sm90_fwd.attn_fwd(q, k, v, out, lse, qk_scale, causal=window_right == 0, alibi_slopes=alibi_slopes,
-                              fold=cfgs.fold_scale, seed_offset=seed_offset, dropout_p=dropout_p, options=opts)
+                              fold=cfgs.fold_scale, seed_offset=seed_offset, dropout_p=dropout_p, options=opts,
+                              site=plan.site)
         return out, lse
     cfg = cfgs.fwd
-    tma = cfg.tma and tma_usable(headdim, q, k, v, out)
-    if tma:
+    if plan.tma:
         _ensure_allocator()
     qk_scale, cap_log2 = _scales(softmax_scale, softcap)
     grid, blocks, blocks_fastest = _launch_grid(nheads, cfg.block_m, cfg.blocks_fastest, cu_seqlens_q, q.shape[0],
@@ -352,12 +410,12 @@ def attn_fwd_impl(
         qk_scale, cap_log2, dropout_p, window_left, window_right,
         HEADDIM=headdim, BLOCK_D=block_d(headdim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         **_common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype, alibi_slopes),
-        TMA=tma, BLOCKS_FASTEST=blocks_fastest,
+        TMA=plan.tma, BLOCKS_FASTEST=blocks_fastest,
         HEAD_GROUP=_head_group(cfg, varlen, window_left, window_right, max_seqlen_q, q.device, opts),
         EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, cfg.block_n),
         EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim),
         FOLD=cfgs.fold_scale,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, cached_launch=opts.cached_launch,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, cached_launch=opts.cached_launch, site=plan.site,
     )
     return out, lse
 
@@ -373,6 +431,61 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed_offs
     varlen = cu_seqlens_q is not None
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
         _lse_shape(q, varlen), dtype=torch.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BwdPlan:
+    cfgs: kernel_config.KernelConfigs
+    dkdv_on_gluon: bool  # the Gluon dK/dV runs (else the Triton one)
+    gluon_dq: bool  # the Gluon dQ pass runs (else the Triton one, or none with atomic_dq)
+    atomic_dq: bool  # dQ is added into an fp32 buffer by the dK/dV kernel: no separate pass
+    concurrent: bool  # the dQ pass runs beside dK/dV, which goes on a side stream (config.concurrent_dq)
+    pad: bool  # LSE and delta padded past each row's end (below)
+    padded_rows: int  # rows per (batch, head) of the preprocess grid
+    lse_shape: Optional[tuple]  # the padded LSE's shape, where pad
+    site: Any  # launch.launch's site for the call's launches (None: each launch builds its argument key)
+
+
+def _bwd_plan(q, k, v, dout, varlen, batch, max_seqlen_q, max_seqlen_k, window_left, window_right, softcap,
+              dropout_p, deterministic, opts, key) -> _BwdPlan:
+    """attn_bwd_impl's decisions, from what _plan_key holds."""
+    headdim, nheads = q.shape[-1], q.shape[-2]
+    cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p, opts)
+    # The Gluon Hopper kernels take the calls in their scope (sm90.common.sm90_dense_ok), the Triton ones the rest
+    gluon_scope = dict(varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
+                       window_right=window_right, softcap=softcap, dropout_p=dropout_p)
+    gluon_dkdv = cfgs.gluon_dkdv and sm90_dkdv is not None and sm90_dkdv.supported(q, k, v, dout, **gluon_scope)
+    fuses_dq = gluon_dkdv and sm90_dkdv.fuses_dq(headdim)  # whether the Gluon dK/dV could add dQ itself
+    fused_dq = not deterministic and cfgs.fused_dq and gluon_dkdv and fuses_dq
+    # config's atomic dQ is the Triton dK/dV's, taken with dropout to spare the dQ pass its second draw; where the
+    # Gluon dK/dV draws the bits, its fused dQ or the separate pass beside it is faster
+    gluon_draws = gluon_dkdv and dropout_p > 0
+    atomic_dq = (cfgs.atomic_dq and not deterministic and not gluon_draws) or fused_dq
+    gluon_dq = (cfgs.gluon_dq and not atomic_dq and sm90_dq is not None
+                and sm90_dq.supported(q, k, v, dout, **gluon_scope))
+    # with atomic dQ, the Gluon dK/dV only where it adds dQ itself (sm90_dkdv.fuses_dq)
+    dkdv_on_gluon = gluon_dkdv and (not atomic_dq or fuses_dq)
+    if varlen:
+        # The Gluon kernels read a varlen batch's LSE and delta padded per sequence (below), which the Triton ones
+        # do not: on varlen batches the Gluon dK/dV runs with the Gluon dQ (or its own fused dQ), or not at all.
+        if dkdv_on_gluon and not (atomic_dq or gluon_dq):
+            dkdv_on_gluon = False
+        gluon_dq = gluon_dq and dkdv_on_gluon
+
+    # The LSE and delta that the Gluon kernels read run on past each sequence's end to a multiple of ALIGN rows, LSE
+    # +inf and delta 0, so that whole tiles past a sequence's end give P = 0 (what lets them take any length). Dense
+    # rows: (B, H, Sq rounded up); varlen: (H, total_q + ALIGN x batch, rounded up), sequence b from an aligned start
+    # (triton.backward.aligned_start). The Triton kernels read the forward's LSE as it is.
+    align = kernel_config.ALIGN
+    pad = dkdv_on_gluon if varlen else max_seqlen_q % align != 0  # varlen: the Gluon dQ runs only beside it
+    padded_rows = cdiv(max_seqlen_q, align) * align if pad else max_seqlen_q
+    lse_shape = None
+    if pad:  # varlen rows per head rounded up to ALIGN too, so that every head's rows start aligned
+        lse_shape = ((nheads, cdiv(q.shape[0] + align * batch, align) * align) if varlen
+                     else (batch, nheads, padded_rows))
+    concurrent = cfgs.concurrent_dq and not atomic_dq and q.is_cuda
+    return _BwdPlan(cfgs, dkdv_on_gluon, gluon_dq, atomic_dq, concurrent, pad, padded_rows, lse_shape,
+                    key if opts.cached_launch else None)
 
 
 @_on_input_device
@@ -406,60 +519,32 @@ def attn_bwd_impl(
     nheads, headdim = q.shape[-2], q.shape[-1]
     nheads_k = k.shape[-2]
     batch = batch_size(q, cu_seqlens_q)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     opts = kernel_options.current()  # read once: every launch of the call takes the same
-    cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p, opts)
+    key = _plan_key("bwd", opts, (q, k, v, dout, out, lse, cu_seqlens_q, cu_seqlens_k, seed_offset, alibi_slopes),
+                    max_seqlen_q, max_seqlen_k, window_left, window_right, softcap > 0, dropout_p > 0, deterministic)
+    plan = _planned(key, lambda: _bwd_plan(q, k, v, dout, varlen, batch, max_seqlen_q, max_seqlen_k, window_left,
+                                           window_right, softcap, dropout_p, deterministic, opts, key))
+    cfgs, atomic_dq, gluon_dq, dkdv_on_gluon, site = plan.cfgs, plan.atomic_dq, plan.gluon_dq, plan.dkdv_on_gluon, \
+        plan.site
     qk_scale, cap_log2 = _scales(softmax_scale, softcap)
     flags = _common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype, alibi_slopes)
     tile_d = block_d(headdim)
 
-    # The Gluon Hopper kernels take the calls in their scope (sm90.common.sm90_dense_ok), the Triton ones the rest
-    gluon_scope = dict(varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
-                       window_right=window_right, softcap=softcap, dropout_p=dropout_p)
-    gluon_dkdv = cfgs.gluon_dkdv and sm90_dkdv is not None and sm90_dkdv.supported(q, k, v, dout, **gluon_scope)
-    fuses_dq = gluon_dkdv and sm90_dkdv.fuses_dq(headdim)  # whether the Gluon dK/dV could add dQ itself
-    fused_dq = not deterministic and cfgs.fused_dq and gluon_dkdv and fuses_dq
-    # config's atomic dQ is the Triton dK/dV's, taken with dropout to spare the dQ pass its second draw; where the
-    # Gluon dK/dV draws the bits, its fused dQ or the separate pass beside it is faster
-    gluon_draws = gluon_dkdv and dropout_p > 0
-    atomic_dq = (cfgs.atomic_dq and not deterministic and not gluon_draws) or fused_dq
-    gluon_dq = (cfgs.gluon_dq and not atomic_dq and sm90_dq is not None
-                and sm90_dq.supported(q, k, v, dout, **gluon_scope))
-    # with atomic dQ, the Gluon dK/dV only where it adds dQ itself (sm90_dkdv.fuses_dq)
-    dkdv_on_gluon = gluon_dkdv and (not atomic_dq or fuses_dq)
-    if varlen:
-        # The Gluon kernels read a varlen batch's LSE and delta padded per sequence (below), which the Triton ones
-        # do not: on varlen batches the Gluon dK/dV runs with the Gluon dQ (or its own fused dQ), or not at all.
-        if dkdv_on_gluon and not (atomic_dq or gluon_dq):
-            dkdv_on_gluon = False
-        gluon_dq = gluon_dq and dkdv_on_gluon
-
-    # The LSE and delta that the Gluon kernels read run on past each sequence's end to a multiple of ALIGN rows, LSE
-    # +inf and delta 0, so that whole tiles past a sequence's end give P = 0 (what lets them take any length). Dense
-    # rows: (B, H, Sq rounded up); varlen: (H, total_q + ALIGN x batch, rounded up), sequence b from an aligned start
-    # (triton.backward.aligned_start). The Triton kernels read the forward's LSE as it is.
-    align = kernel_config.ALIGN
-    pad = dkdv_on_gluon if varlen else max_seqlen_q % align != 0  # varlen: the Gluon dQ runs only beside it
-    padded_rows = cdiv(max_seqlen_q, align) * align if pad else max_seqlen_q
     lse_in = lse
-    if pad:
-        # varlen rows per head rounded up to ALIGN too, so that every head's rows start aligned
-        lse_shape = ((nheads, cdiv(q.shape[0] + align * batch, align) * align) if varlen
-                     else (batch, nheads, padded_rows))
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    if plan.pad:
+        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse)
-    pre = cfgs.bwd_dq
+    padded_rows, pre = plan.padded_rows, cfgs.bwd_dq
     launch(
         attn_bwd_preprocess_kernel, (batch * nheads, cdiv(padded_rows, pre.block_m)),
         out, dout, delta, lse_in, lse, cu_seqlens_q,
         *_seq_strides(out, varlen), *_seq_strides(dout, varlen), *_lse_strides(lse, varlen),
         *_lse_strides(lse_in, varlen), nheads, max_seqlen_q, padded_rows,
-        HEADDIM=headdim, BLOCK_D=tile_d, BLOCK_M=pre.block_m, IS_VARLEN=varlen, PAD=pad, ALIGN=align,
-        cached_launch=opts.cached_launch,
+        HEADDIM=headdim, BLOCK_D=tile_d, BLOCK_M=pre.block_m, IS_VARLEN=varlen, PAD=plan.pad,
+        ALIGN=kernel_config.ALIGN, cached_launch=opts.cached_launch, site=site,
     )
 
     # fp32 accumulator for atomic dQ; otherwise dQ gets its own pass and the pointer is unused.
@@ -484,7 +569,7 @@ def attn_bwd_impl(
             sm90_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal,
                                       alibi_slopes, dq_accum=dq_accum if atomic_dq else None,
                                       seed_offset=seed_offset, dropout_p=dropout_p, options=opts, stream=stream,
-                                      varlen=gluon_varlen)
+                                      varlen=gluon_varlen, site=site)
         else:
             tma_dkdv = c.tma and tma_usable(headdim, q, k, v, dout, dq_accum, dk, dv)
             if tma_dkdv:
@@ -505,9 +590,10 @@ def attn_bwd_impl(
                 EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_q, c.block_m),
                 EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim), DP_FIRST=c.dp_first, **flags,
                 num_warps=c.num_warps, num_stages=c.num_stages, cached_launch=opts.cached_launch, on_stream=stream,
+                site=site,
             )
 
-    concurrent = cfgs.concurrent_dq and not atomic_dq and q.is_cuda
+    concurrent = plan.concurrent
 
     def launch_dq():
         if atomic_dq:
@@ -520,7 +606,7 @@ def attn_bwd_impl(
                                            longest_first=opts.varlen_longest_first))
             sm90_dq.attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale, softmax_scale, causal,
                                   seed_offset=seed_offset, dropout_p=dropout_p, alibi_slopes=alibi_slopes,
-                                  beside_dkdv=concurrent, options=opts, varlen=dq_varlen)
+                                  beside_dkdv=concurrent, options=opts, varlen=dq_varlen, site=site)
         else:
             c = cfgs.bwd_dq
             tma_dq = c.tma and tma_usable(headdim, k, v)  # not atomic_dq: that branch is taken above
@@ -543,7 +629,7 @@ def attn_bwd_impl(
                 EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, c.block_n),
                 EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim),
                 **flags,
-                num_warps=c.num_warps, num_stages=c.num_stages, cached_launch=opts.cached_launch,
+                num_warps=c.num_warps, num_stages=c.num_stages, cached_launch=opts.cached_launch, site=site,
             )
 
     if concurrent:
@@ -552,12 +638,13 @@ def attn_bwd_impl(
         # caller's stream before the fork and is released only after the join, so the allocator needs no
         # record_stream.
         side, fork, join = _side_stream(q.device)
-        fork.record()  # on the caller's (current) stream
+        current = torch.cuda.current_stream(q.device)
+        fork.record(current)
         side.wait_event(fork)
         launch_dkdv(side.cuda_stream)
         launch_dq()
         join.record(side)
-        join.wait()  # the caller's stream waits for dK/dV
+        current.wait_event(join)  # the caller's stream waits for dK/dV
     else:
         launch_dkdv()
         launch_dq()

@@ -21,3 +21,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def fresh_call_plans():
+    """ops.py makes each call signature's decisions once (ops._planned), reading config.py's module constants, which
+    tests monkeypatch: every test starts without plans, so that its patches reach its calls."""
+    from flashpatch import ops
+
+    ops._plans.clear()
+    yield
+    ops._plans.clear()

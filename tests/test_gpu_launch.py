@@ -55,14 +55,17 @@ def test_cached_launch_matches_tritons_path(name, monkeypatch):
     with options.override(cached_launch=False):
         expected = _run(case, seed=0)
     launch_mod._compiled.clear()
-    _run(case, seed=0)  # fills the cache
-    assert launch_mod._compiled, "no launch was cached"
-    from triton.runtime.jit import JITFunction
+    # every launch that reuses a cached kernel by its site checks that the site still stands for its argument key
+    # (the options are part of the site: both runs take the same)
+    with options.override(verify_launch_sites=True):
+        _run(case, seed=0)  # fills the cache
+        assert launch_mod._compiled, "no launch was cached"
+        from triton.runtime.jit import JITFunction
 
-    bound = []
-    run = JITFunction.run
-    monkeypatch.setattr(JITFunction, "run", lambda self, *a, **kw: bound.append(self) or run(self, *a, **kw))
-    got = _run(case, seed=0)
+        bound = []
+        run = JITFunction.run
+        monkeypatch.setattr(JITFunction, "run", lambda self, *a, **kw: bound.append(self) or run(self, *a, **kw))
+        got = _run(case, seed=0)
     # the dropout draw and the pattern's seed are launched by torch; every flashpatch kernel came from the cache
     assert not bound, f"launches bound by Triton on a repeated call: {[getattr(f, '__name__', f) for f in bound]}"
     for name_, e, g in zip(("out", "dq", "dk", "dv"), expected, got):
@@ -101,7 +104,7 @@ def test_concurrent_backward_launches_on_the_side_stream(monkeypatch):
                         lambda device, _make=ops._side_stream: sides.append(_make(device)[0].cuda_stream)
                         or _make(device))
     streams = []
-    for compiled, _, _ in list(launch_mod._compiled.values()):
+    for compiled, *_ in list(launch_mod._compiled.values()):
         inner = compiled.run  # a property over _run, the launcher
         monkeypatch.setattr(compiled, "_run", lambda *a, _inner=inner: streams.append(a[3]) or _inner(*a))
     concurrent = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)

@@ -666,3 +666,46 @@ def test_launch_cache_key_tells_apart_what_triton_specializes_on():
     assert key(a, enum.IntEnum("E", "X").X) is None  # an int subclass: the same
     assert key(a, BLOCK=[64]) is None  # an unhashable keyword value: the same
     assert _signature_key("kernel", 0, (a,), {}) != _signature_key("kernel", 1, (a,), {})  # compiled per device
+
+
+def test_call_plans_made_once_per_call_signature(configs_for_calls):
+    # ops._planned: a repeated call reuses its forward's and backward's decisions (config.py is not asked again); a
+    # call that differs in anything those decisions or the launches' specialization read gets plans of its own
+    def call(q, k, v, **kwargs):
+        flashpatch.flash_attn_func(q, k, v, **kwargs).sum().backward()
+
+    q, k, v = random_qkv(1, 17, 17, 2, 1, 32, torch.float32)
+    call(q, k, v, causal=True)
+    assert len(configs_for_calls) == 2 and len(ops._plans) == 2
+    call(q, k, v, causal=True)
+    assert len(configs_for_calls) == 2 and len(ops._plans) == 2
+    q2, k2, v2 = random_qkv(1, 17, 17, 2, 1, 32, torch.float32)
+    call(q2, k2, v2, causal=True)  # other tensors of the same signature
+    assert len(ops._plans) == 2
+    for kwargs in (dict(causal=False), dict(window_size=(4, 0)), dict(dropout_p=0.1), dict(softcap=5.0)):
+        before = len(ops._plans)
+        call(q, k, v, **kwargs)
+        assert len(ops._plans) == before + 2, kwargs
+    with kernel_options.override(atomic_dq=True):
+        before = len(ops._plans)
+        call(q, k, v, causal=True)
+        assert len(ops._plans) == before + 2  # the options are part of both keys
+    assert len(configs_for_calls) == 2 + 2 * 4 + 2
+
+
+def test_plan_key_tells_apart_what_launches_specialize_on():
+    opts = kernel_options.DEFAULT
+    q = torch.randn(2, 16, 4, 32)
+    key = lambda t, o=opts, *scalars: ops._plan_key("fwd", o, (t, None), *scalars)  # noqa: E731
+    assert key(q) == key(torch.randn(2, 16, 4, 32))
+    assert key(q) != key(q.to(torch.float16))
+    assert key(q) != key(torch.randn(2, 17, 4, 32))
+    assert key(q) != key(torch.randn(2, 4, 16, 32).transpose(1, 2))  # same shape, other strides
+    misaligned = torch.randn(2 * 16 * 4 * 32 + 1)[1:].view(2, 16, 4, 32)
+    if misaligned.data_ptr() % 16:
+        assert key(q) != key(misaligned)
+    assert key(q, opts, 17) != key(q, opts, 18)
+    assert key(q) != key(q, kernel_options.updated(opts, fold_scale=False))
+    assert key(q, kernel_options.updated(opts, fold_scale=False)) == key(q, kernel_options.updated(opts,
+                                                                                                    fold_scale=False))
+    assert ops._plan_key("fwd", opts, (q, None)) != ops._plan_key("fwd", opts, (q, q))

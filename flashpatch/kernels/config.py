@@ -15,7 +15,6 @@ from types import MappingProxyType
 
 import torch
 
-from flashpatch.kernels.launch import next_power_of_2
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
     the transformers integration) keeps the separate pass. The Gluon dK/dV's fused dQ (`fused_dq`) is the other
     exception. TMA descriptors (`tma`) are used only where they measured faster: elsewhere they were within noise
     of pointer arithmetic, or slower (docs/tuning.md, "atomic dQ" and "TMA")."""
-    block_d = next_power_of_2(headdim)
+    block_d = 1 << (headdim - 1).bit_length()  # the kernels' head-dim tile: the next power of two
     # Grid order (docs/tuning.md, "grid order"): the forward always runs a head's query blocks on consecutive
     # programs, so the programs in flight share that head's K/V in L2. The backward gains from it without a mask but
     # loses with one: there the heads-first order starts every head's heaviest causal blocks first.

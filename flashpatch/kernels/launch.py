@@ -9,6 +9,12 @@ arguments in plain Python (tensors: dtype and 16-byte alignment; integers and tu
 descriptors: dtype, shapes, strides, block and layout; the keyword arguments: their values), and calls the launcher
 directly.
 
+Building that key costs host time of its own (a few microseconds per argument), so a caller that knows its launches'
+arguments follow from fewer values can name them instead: `site`, a hashable value such that two launches of a
+kernel with equal sites have equal keys (ops.py passes its per-call plan's key, made of its inputs' shapes,
+strides, dtypes and alignment, the scalar arguments and the options). options.KernelOptions.verify_launch_sites
+checks that promise at every such launch.
+
 The slow path (Triton's own) runs where a launch hook is set (a profiler), where a kernel has pre-run hooks, where an
 argument has a type the key does not know, and under the Triton interpreter. options.KernelOptions.cached_launch
 turns the cache off.
@@ -22,13 +28,16 @@ import torch
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
+from flashpatch.kernels import options
+
 try:  # the Gluon host-side descriptor (the Triton kernels build theirs on the device)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
 except ImportError:  # pragma: no cover - depends on the installed Triton
     _GluonDescriptor = None
 
 _MAX_ENTRIES = 4096  # signatures kept; a long-lived process meeting more starts over
-_compiled: dict[tuple, tuple[Any, tuple, bool]] = {}  # key -> (compiled kernel, arguments after *args, scratch)
+# key (or (kernel, device, site)) -> (compiled kernel, arguments after *args, scratch, the argument key it was made at)
+_compiled: dict[tuple, tuple[Any, tuple, bool, Optional[tuple]]] = {}
 
 
 def _arg_key(arg) -> Any:
@@ -110,28 +119,35 @@ def _tritons_launch(kernel, grid: tuple, args: tuple, kwargs: dict, stream: Opti
 
 
 def launch(kernel, grid: tuple, *args, cached_launch: bool = True, on_stream: Optional[int] = None,
-           **kwargs) -> None:
+           site: Any = None, **kwargs) -> None:
     """kernel[grid](*args, **kwargs) on the current CUDA device's current stream, or on `on_stream` (a raw CUDA
     stream handle) if given. kwargs: the kernel's constexpr parameters by name and the launch options (num_warps,
-    maxnreg, ...). cached_launch: False takes Triton's own path every time."""
+    maxnreg, ...). cached_launch: False takes Triton's own path every time. site: None, or a hashable value that
+    stands for the argument key (the module's docstring): equal sites of one kernel must mean equal keys."""
     key = None
     if (cached_launch and isinstance(kernel, JITFunction) and not kernel.pre_run_hooks
             and _no_hook(knobs.runtime.launch_enter_hook) and _no_hook(knobs.runtime.launch_exit_hook)):
         device = torch.cuda.current_device()
-        key = _signature_key(kernel, device, args, kwargs)
+        key = _signature_key(kernel, device, args, kwargs) if site is None else (kernel, device, site)
     entry = _compiled.get(key) if key is not None else None
     if entry is None:
         compiled = _tritons_launch(kernel, grid, args, kwargs, on_stream)
         if key is not None and all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
             tail = _tail(kernel, args, kwargs)
-            if tail is not None:
+            signature = key if site is None else _signature_key(kernel, device, args, kwargs)
+            if tail is not None and signature is not None:
                 if len(_compiled) >= _MAX_ENTRIES:
                     _compiled.clear()
                 meta = compiled.metadata
                 scratch = getattr(meta, "global_scratch_size", 0) > 0 or getattr(meta, "profile_scratch_size", 0) > 0
-                _compiled[key] = (compiled, tail, scratch)
+                _compiled[key] = (compiled, tail, scratch, signature)
         return
-    compiled, tail, scratch = entry
+    compiled, tail, scratch, signature = entry
+    if site is not None and options.current().verify_launch_sites:
+        made = _signature_key(kernel, device, args, kwargs)
+        if made != signature:
+            raise AssertionError(f"launch site {site!r} of {getattr(kernel, '__name__', kernel)} was cached with the "
+                                 f"argument key {signature!r} and now has {made!r}")
     if scratch and on_stream is not None:
         # the launcher allocates the scratch on the current stream, which is not the one the kernel runs on: the
         # slow path makes `on_stream` current for the launch, so the allocator orders the memory's reuse after it

@@ -49,6 +49,10 @@ class KernelOptions:
     # Launches through launch.launch's cache of compiled kernels per argument signature (Triton's binder runs once
     # per signature), or with False through Triton's own path every time.
     cached_launch: bool = True
+    # Every launch that ops.py's per-call plan keys by its call signature (launch.launch's `site`) also builds the
+    # argument key and checks that it matches the one the site was cached with: a test aid, it costs the host time
+    # the site saves.
+    verify_launch_sites: bool = False
     # config.KernelConfigs fields set over config's pick in every call (override(atomic_dq=True, ...) fills it).
     config_fields: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
@@ -62,6 +66,12 @@ class KernelOptions:
         unknown = set(self.config_fields) - _CONFIG_FIELDS
         if unknown:
             raise TypeError(f"config_fields names no KernelConfigs field: {sorted(unknown)}")
+        # hashed once: ops.py keys its per-call plans by the options in force (a mapping field has no hash)
+        own = tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "config_fields")
+        object.__setattr__(self, "_hash", hash((own, tuple(sorted(self.config_fields.items())))))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 _OWN_FIELDS = frozenset(f.name for f in dataclasses.fields(KernelOptions)) - {"config_fields"}

@@ -340,12 +340,12 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
 
 def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: float, causal: bool,
                 seed_offset=None, dropout_p: float = 0.0, alibi_slopes=None, beside_dkdv: bool = False,
-                options: KernelOptions = DEFAULT, varlen=None) -> None:
+                options: KernelOptions = DEFAULT, varlen=None, site=None) -> None:
     """dQ (written into dq, (B, Sq, H, D)) for a call `supported` accepted; lse, delta: (B, H, >= Sq rounded up to
     BLOCK_M) fp32, LSE +inf and delta 0 past Sq (ops.attn_bwd_impl);
     seed_offset: the forward's (2,) int64 (ops.draw_seed_offset) when dropout_p > 0; alibi_slopes: None or float32
     (H,) / (B, H); beside_dkdv: the dK/dV kernel runs at the same time on another stream (config.persistent_grid);
-    options: its persistent_dq, head_group and cached_launch.
+    options: its persistent_dq, head_group and cached_launch. site: launch.launch's, passed on.
 
     varlen: None for dense rows, or (cu_seqlens_q, cu_seqlens_k, blocks) for a varlen batch (no dropout): q, dout,
     dq (total_q, H, D), k, v (total_k, Hk, D), lse and delta (H, total_q + ALIGN x batch) padded per sequence as
@@ -388,5 +388,5 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HEAD_GROUP=order, DROPOUT=dropout_p > 0, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
         VARLEN=varlen is not None,
-        num_warps=4, maxnreg=MAXNREG, cached_launch=options.cached_launch,
+        num_warps=4, maxnreg=MAXNREG, cached_launch=options.cached_launch, site=site,
     )

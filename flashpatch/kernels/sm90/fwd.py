@@ -578,12 +578,14 @@ def varlen_block_rows(headdim: int) -> int:
 
 
 def attn_fwd_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, blocks, max_seqlen_k: int, qk_scale: float,
-                    causal: bool, alibi_slopes=None, fold: bool = False, options: KernelOptions = DEFAULT) -> None:
+                    causal: bool, alibi_slopes=None, fold: bool = False, options: KernelOptions = DEFAULT,
+                    site=None) -> None:
     """`attn_fwd` for a varlen batch (`supported`, no dropout): out (total_q, H, D) and lse (H, total_q), q:
     (total_q, H, D), k, v: (total_k, Hk, D), cu_seqlens_q / _k: (batch + 1,) int32, blocks: ops.varlen_blocks's
     (2, n) table of (sequence, block) pairs in blocks of `varlen_block_rows` queries. One program per head and pair
     (no persistent grid); the packed rows are the TMA views' rows, a sequence's tiles start at its cu_seqlens
-    entry, and a tile past its end reads the next sequence's rows, masked like a dense row's last tile."""
+    entry, and a tile past its end reads the next sequence's rows, masked like a dense row's last tile. site:
+    launch.launch's, passed on."""
     nheads, headdim = q.shape[1], q.shape[2]
     nheads_k = k.shape[1]
     consumers = CONSUMERS_BY_HEADDIM[headdim]
@@ -599,18 +601,19 @@ def attn_fwd_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, blocks, max_s
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES, HEAD_GROUP=1,
         ALIBI=alibi_slopes is not None, PERSISTENT=False, FOLD=fold, CONSUMERS=consumers, DROPOUT=False,
         DRAWER_WARPS=DRAWER_WARPS, CONSUMER_REGS=0, WORKER_REGS=0, VARLEN=True, num_warps=4,
-        maxnreg=MAXNREG if consumers == 2 else MAXNREG_3, cached_launch=options.cached_launch,
+        maxnreg=MAXNREG if consumers == 2 else MAXNREG_3, cached_launch=options.cached_launch, site=site,
     )
 
 
 def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None, fold: bool = False,
-             seed_offset=None, dropout_p: float = 0.0, options: KernelOptions = DEFAULT) -> None:
+             seed_offset=None, dropout_p: float = 0.0, options: KernelOptions = DEFAULT, site=None) -> None:
     """out (B, Sq, H, D) and lse (B, H, Sq, float32, natural log) for a call `supported` accepted; q: (B, Sq, H, D),
     k, v: (B, Sk, Hk, D); qk_scale = softmax_scale * log2(e); alibi_slopes: None or float32 (H,) / (B, H); fold:
     config.KernelConfigs.fold_scale (`_softmax_update`, which ignores it with ALiBi). dropout_p > 0: head dim 128,
     the keep bits drawn from seed_offset (ops.draw_seed_offset's int64 (seed, offset)) at triton.common.dropout_keep's
     counters, on the grid of one program per query block (the persistent one has no drawers). options: its
-    persistent_fwd, causal_schedule, head_group and cached_launch."""
+    persistent_fwd, causal_schedule, head_group and cached_launch. site: launch.launch's, for the arguments that
+    follow from the call's shapes and options (the launch tells apart a schedule table built or not)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     dropout = dropout_p > 0
@@ -657,4 +660,5 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
         HEAD_GROUP=order, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
         FOLD=fold, CONSUMERS=consumers, DROPOUT=dropout, DRAWER_WARPS=DRAWER_WARPS, CONSUMER_REGS=consumer_regs,
         WORKER_REGS=worker_regs, VARLEN=False, num_warps=4, maxnreg=maxnreg, cached_launch=options.cached_launch,
+        site=None if site is None else (site, schedule is None),
     )
