@@ -527,8 +527,8 @@ def attn_bwd_impl(
                     max_seqlen_q, max_seqlen_k, window_left, window_right, softcap > 0, dropout_p > 0, deterministic)
     plan = _planned(key, lambda: _bwd_plan(q, k, v, dout, varlen, batch, max_seqlen_q, max_seqlen_k, window_left,
                                            window_right, softcap, dropout_p, deterministic, opts, key))
-    cfgs, atomic_dq, gluon_dq, dkdv_on_gluon, site = plan.cfgs, plan.atomic_dq, plan.gluon_dq, plan.dkdv_on_gluon, \
-        plan.site
+    cfgs, site = plan.cfgs, plan.site
+    atomic_dq, gluon_dq, dkdv_on_gluon = plan.atomic_dq, plan.gluon_dq, plan.dkdv_on_gluon
     qk_scale, cap_log2 = _scales(softmax_scale, softcap)
     flags = _common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype, alibi_slopes)
     tile_d = block_d(headdim)
