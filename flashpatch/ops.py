@@ -319,11 +319,11 @@ def _planned(key: tuple, make: Callable[[], Any]):
     return plan
 
 
-def _empty_like(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def _empty_like(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor shaped like t (empty_like's host path is the shorter one where t is contiguous)."""
     if t.is_contiguous():
-        return torch.empty_like(t, dtype=dtype)
-    return torch.empty(t.shape, dtype=t.dtype if dtype is None else dtype, device=t.device)
+        return torch.empty_like(t)
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,6 @@ from types import MappingProxyType
 import torch
 
 
-
 @dataclass(frozen=True)
 class LaunchConfig:
     block_m: int
