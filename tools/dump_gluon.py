@@ -39,6 +39,7 @@ def main():
     parser.add_argument("--key-tail", action="store_true", help="dK/dV: seqlen_k not a multiple of its key block")
     parser.add_argument("--varlen", action="store_true", help="the varlen form (a (sequence, block) table)")
     parser.add_argument("--persistent", action="store_true", help="the forward's or dQ's PERSISTENT variant")
+    parser.add_argument("--window", action="store_true", help="the forward's or dQ's causal sliding window")
     parser.add_argument("--consumers", type=int, default=0, help="the forward's consumer warpgroups (0: its rule)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=0|1",
                         help="a constexpr of the kernel (FOLD, REG_KV, LSE_FIRST); unset ones take the "
@@ -85,6 +86,8 @@ def main():
         if not (args.persistent and args.causal and options.DEFAULT.causal_schedule):
             consts.update(SCHEDULE=None)  # the launcher's None but for a persistent causal grid's table
     consts.update(ALIBI=args.alibi, VARLEN=args.varlen)
+    if "WINDOW" in fn.arg_names:
+        consts.update(WINDOW=args.window)
     if not args.varlen:
         consts.update(CU_SEQLENS_Q=None, CU_SEQLENS_K=None, VARLEN_BLOCKS=None)
     flags = dict(item.split("=") for item in args.set)
@@ -131,6 +134,7 @@ def main():
                   f"{f'_c{args.consumers}' if args.consumers else ''}{'_dropout' if args.dropout else ''}"
                   f"{'_alibi' if args.alibi else ''}{'_persistent' if args.persistent else ''}"
                   f"{'_tail' if args.key_tail else ''}{'_varlen' if args.varlen else ''}"
+                  f"{'_window' if args.window else ''}"
                   + "".join(f"_{item.split('=')[0].lower()}" for item in args.set if item.endswith("=1")))
     ptx = kernel.asm["ptx"]
     stem.with_suffix(".ttgir").write_text(kernel.asm["ttgir"])

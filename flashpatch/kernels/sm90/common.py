@@ -192,6 +192,33 @@ def key_steps(m0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexp
 
 
 @gluon.jit
+def window_steps(m0, shift, n_full, n_steps, window_left, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 WINDOW: gl.constexpr):
+    """A query block's key steps under a causal sliding window of window_left keys (the forward's and dQ's; without
+    WINDOW the steps `key_steps` gave): (first key block, masked left-edge steps, steps before the masked diagonal
+    ones, steps), the last three counted from the first key block. Query row m sees keys m + Sk - Sq - window_left
+    through m + Sk - Sq; a block holding no key that the block's first row sees is skipped, and a block from which
+    its last row sees every key is not masked on the left (`key_floor`)."""
+    if WINDOW:
+        n_first = gl.minimum(gl.maximum(m0 + shift - window_left, 0) // BLOCK_N, n_steps)
+        n_lo = gl.cdiv(gl.maximum(m0 + BLOCK_M - 1 + shift - window_left, 0), BLOCK_N)
+        n_lo = gl.minimum(gl.maximum(n_lo, n_first), n_full)
+        return n_first, n_lo - n_first, n_full - n_first, n_steps - n_first
+    else:
+        return 0, 0, n_full, n_steps
+
+
+@gluon.jit
+def key_floor(offs_m, shift, window_left, WINDOW: gl.constexpr):
+    """The first key each query row offs_m may see in a masked step under a causal sliding window
+    (`window_steps`), or without one a floor no key is below."""
+    if WINDOW:
+        return offs_m + shift - window_left
+    else:
+        return offs_m * 0 - 1
+
+
+@gluon.jit
 def varlen_lse_start(q_first, seq):
     """Where sequence `seq` (first token q_first) starts in a varlen backward's LSE and delta rows, as
     triton.backward's aligned_start places it: a multiple of config.ALIGN, so that the rows' TMA loads start

@@ -26,9 +26,10 @@ from flashpatch.kernels.config import head_group, persistent_grid, sm_count
 from flashpatch.kernels.launch import cdiv, launch
 from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
-    alibi_bias, allocate_kv_ring, allocate_query_barriers, descriptor, dropout_seed_offset, head_slope_log2, key_limit,
-    persistent_rounds, persistent_tile, philox_wide, producer_persistent, query_block_of_tile, query_block_program,
-    sm90_dense_ok, stream_kv, tma_load, varlen_lse_start, varlen_query_block_program)
+    alibi_bias, allocate_kv_ring, allocate_query_barriers, descriptor, dropout_seed_offset, head_slope_log2, key_floor,
+    key_limit, persistent_rounds, persistent_tile, philox_wide, producer_persistent, query_block_of_tile,
+    query_block_program, sm90_dense_ok, stream_kv, tma_load, varlen_lse_start, varlen_query_block_program,
+    window_steps)
 from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_rows, keep_from_words
 
 HALF_M = 64  # queries per consumer warpgroup
@@ -81,12 +82,13 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_buf
 
 @gluon.jit
 def _dq_step(i, ring, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta, offs_m,
-             offs_n, shift, key_lim, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p,
+             offs_n, shift, key_lim, key_lo, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p,
              MASKED: gl.constexpr, DROPOUT: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr):
+             STAGES: gl.constexpr, WINDOW: gl.constexpr):
     """Key block i into dq, from the ring's slot `ring` (= i but in a persistent program). MASKED: keys past each
-    row's key_lim (common.key_limit) hidden. Rows past seqlen_q have an LSE of +inf (ops.attn_bwd_impl pads it), so
-    their P is 0."""
+    row's key_lim (common.key_limit) hidden, and under a WINDOW the keys before its key_lo (common.key_floor; offs_n
+    then counts from the program's first key block, common.window_steps). Rows past seqlen_q have an LSE of +inf
+    (ops.attn_bwd_impl pads it), so their P is 0."""
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq.type.layout, k_width=2)
     s = ring % STAGES
     phase = (ring // STAGES) & 1
@@ -103,7 +105,11 @@ def _dq_step(i, ring, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, ze
         scores += alibi_bias(alibi_log2, offs_m[:, None] + shift, (i * BLOCK_N + offs_n)[None, :])
     p = gl.exp2(scores - lse_log2[:, None])
     if MASKED:
-        p = gl.where((i * BLOCK_N + offs_n)[None, :] <= key_lim[:, None], p, 0.0)
+        keys = (i * BLOCK_N + offs_n)[None, :]
+        if WINDOW:
+            p = gl.where((keys <= key_lim[:, None]) & (keys >= key_lo[:, None]), p, 0.0)
+        else:
+            p = gl.where(keys <= key_lim[:, None], p, 0.0)
     dp = warpgroup_mma_wait(0, deps=(dp, ))
     if DROPOUT:
         dp = gl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
@@ -119,7 +125,9 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_b
                  stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale, alibi_log2,
                  SEED_OFFSET, drop_rows, seqlen_q, seqlen_k, dropout_p, CAUSAL: gl.constexpr, WG: gl.constexpr,
                  HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 DROPOUT: gl.constexpr, ALIBI: gl.constexpr):
+                 DROPOUT: gl.constexpr, ALIBI: gl.constexpr, window, WINDOW: gl.constexpr):
+    """Consumer WG's queries of the program's block. window: (masked left-edge steps, the first key block's first
+    key, window_left) of common.window_steps under a WINDOW, else unused."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -136,41 +144,55 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_b
     drop_rows = drop_rows + WG * HALF_M // 2  # this warpgroup's first counter row
 
     key_lim = key_limit(offs_m, shift, seqlen_k, CAUSAL)
+    if WINDOW:
+        n_lo, key_first, window_left = window
+        offs_n += key_first  # step i holds keys key_first + i * BLOCK_N ..
+        key_lo = key_floor(offs_m, shift, window_left, WINDOW)
+    else:
+        n_lo = 0
+        key_lo = key_lim
     dq = _dq_block(dq, q_s, do_s, qdo_bar, 0, 0, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta,
-                   offs_m, offs_n, shift, key_lim, n_full, n_steps, qk_scale, alibi_log2, seed, offset, drop_rows,
-                   seqlen_k, dropout_p, DROPOUT, ALIBI, BLOCK_N, STAGES, False)
+                   offs_m, offs_n, shift, key_lim, key_lo, n_lo, n_full, n_steps, qk_scale, alibi_log2, seed, offset,
+                   drop_rows, seqlen_k, dropout_p, DROPOUT, ALIBI, BLOCK_N, STAGES, False, WINDOW)
     _dq_store(dq, DQ, dq_base, stride_dqs, m0 + WG * HALF_M, seqlen_q, softmax_scale, q_s.dtype, HEADDIM, HALF_M)
 
 
 @gluon.jit
 def _dq_block(dq, q_s, do_s, qdo_bar, qdo_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2,
-              delta, offs_m, offs_n, shift, key_lim, n_full, n_steps, qk_scale, alibi_log2, seed, offset, drop_rows,
-              seqlen_k, dropout_p, DROPOUT: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, ONE_LOOP: gl.constexpr):
+              delta, offs_m, offs_n, shift, key_lim, key_lo, n_lo, n_full, n_steps, qk_scale, alibi_log2, seed,
+              offset, drop_rows, seqlen_k, dropout_p, DROPOUT: gl.constexpr, ALIBI: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ONE_LOOP: gl.constexpr, WINDOW: gl.constexpr):
     """A consumer warpgroup's query rows offs_m, once their Q and dO have landed (qdo_bar's phase qdo_phase): the
     key blocks below the diagonal without a mask, then the masked ones, from the K/V ring's slot `ring` on;
     returns dq (unscaled) for `_dq_store`. ONE_LOOP: one loop that picks the masked step per block, for the
-    persistent kernel (fwd._fwd_block_pipelined says why)."""
+    persistent kernel (fwd._fwd_block_pipelined says why). Under a WINDOW (not with ONE_LOOP) the n_lo blocks on
+    its left edge go first, masked."""
+    gl.static_assert(not (WINDOW and ONE_LOOP), "the persistent dQ runs no sliding window")
     mbarrier.wait(qdo_bar, qdo_phase)
     if ONE_LOOP:
         for i in range(0, n_steps):
             if i < n_full:
                 dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
-                              lse_log2, delta, offs_m, offs_n, shift, key_lim, qk_scale, alibi_log2, seed, offset,
-                              drop_rows, seqlen_k, dropout_p, False, DROPOUT, ALIBI, BLOCK_N, STAGES)
+                              lse_log2, delta, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, alibi_log2, seed,
+                              offset, drop_rows, seqlen_k, dropout_p, False, DROPOUT, ALIBI, BLOCK_N, STAGES, False)
             else:
                 dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
-                              lse_log2, delta, offs_m, offs_n, shift, key_lim, qk_scale, alibi_log2, seed, offset,
-                              drop_rows, seqlen_k, dropout_p, True, DROPOUT, ALIBI, BLOCK_N, STAGES)
+                              lse_log2, delta, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, alibi_log2, seed,
+                              offset, drop_rows, seqlen_k, dropout_p, True, DROPOUT, ALIBI, BLOCK_N, STAGES, False)
     else:
-        for i in range(0, n_full):
+        if WINDOW:
+            for i in range(0, n_lo):
+                dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
+                              lse_log2, delta, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, alibi_log2, seed,
+                              offset, drop_rows, seqlen_k, dropout_p, True, DROPOUT, ALIBI, BLOCK_N, STAGES, WINDOW)
+        for i in range(n_lo, n_full):
             dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2,
-                          delta, offs_m, offs_n, shift, key_lim, qk_scale, alibi_log2, seed, offset, drop_rows,
-                          seqlen_k, dropout_p, False, DROPOUT, ALIBI, BLOCK_N, STAGES)
+                          delta, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, alibi_log2, seed, offset, drop_rows,
+                          seqlen_k, dropout_p, False, DROPOUT, ALIBI, BLOCK_N, STAGES, WINDOW)
         for i in range(n_full, n_steps):
             dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2,
-                          delta, offs_m, offs_n, shift, key_lim, qk_scale, alibi_log2, seed, offset, drop_rows,
-                          seqlen_k, dropout_p, True, DROPOUT, ALIBI, BLOCK_N, STAGES)
+                          delta, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, alibi_log2, seed, offset, drop_rows,
+                          seqlen_k, dropout_p, True, DROPOUT, ALIBI, BLOCK_N, STAGES, WINDOW)
     return dq
 
 
@@ -223,9 +245,9 @@ def _dq_consumer_persistent(q_bufs, do_bufs, k_bufs, v_bufs, ready_k, ready_v, e
             do_s = do_bufs.index(qb).slice(WG * HALF_M, HALF_M)
             dq = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
             dq = _dq_block(dq, q_s, do_s, qdo_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs, ready_k,
-                           ready_v, empty, zero_s, lse_log2, delta, offs_m, offs_n, shift, key_lim, n_full, n_steps,
-                           qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p, DROPOUT, ALIBI,
-                           BLOCK_N, STAGES, True)
+                           ready_v, empty, zero_s, lse_log2, delta, offs_m, offs_n, shift, key_lim, key_lim, 0,
+                           n_full, n_steps, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p,
+                           DROPOUT, ALIBI, BLOCK_N, STAGES, True, False)
             mbarrier.arrive(qdo_empty.index(qb))
             _dq_store(dq, DQ, off_b * stride_dqb + off_h * stride_dqh, stride_dqs, m0 + WG * HALF_M, seqlen_q,
                       softmax_scale, q_s.dtype, HEADDIM, HALF_M)
@@ -271,11 +293,14 @@ def attn_bwd_dq_hopper_kernel(
     CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS,  # varlen: (batch + 1,) int32 each, ops.varlen_blocks's (2, n)
     q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
     stride_dqb, stride_dqs, stride_dqh, stride_lse_b, stride_lse_h, stride_alibi_b,
-    num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
+    num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p, window_left,
     CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, DROPOUT: gl.constexpr, ALIBI: gl.constexpr,
-    PERSISTENT: gl.constexpr, VARLEN: gl.constexpr,
+    PERSISTENT: gl.constexpr, VARLEN: gl.constexpr, WINDOW: gl.constexpr,
 ):
+    # WINDOW: a causal sliding window of window_left keys (common.window_steps), on the grid of one program per block
+    gl.static_assert(not WINDOW or (CAUSAL and not PERSISTENT and not DROPOUT),
+                     "a sliding window runs causal, one program per block, without dropout")
     if PERSISTENT:  # num_tiles: batch x heads x query blocks, which the programs take in turn
         _persistent_dq(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, SEED_OFFSET, ALIBI_SLOPES, q_rows, q_cols,
                        do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, stride_dqb, stride_dqs, stride_dqh,
@@ -301,6 +326,13 @@ def attn_bwd_dq_hopper_kernel(
         v_first = off_b * v_rows[0]
         dq_base = off_b * stride_dqb + off_h * stride_dqh
         lse_base = off_b * stride_lse_b + off_h * stride_lse_h
+    window = 0
+    if WINDOW:  # the key blocks from the first one the block's first row sees: the K/V stream starts there
+        n_first, n_lo, n_full, n_steps = window_steps(m0, shift, n_full, n_steps, window_left, 2 * HALF_M, BLOCK_N,
+                                                      WINDOW)
+        k_first += n_first * BLOCK_N
+        v_first += n_first * BLOCK_N
+        window = (n_lo, n_first * BLOCK_N, window_left)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, do_desc.block_type.shape, do_desc.layout)
     k_bufs, v_bufs, ready_k, ready_v, empty = allocate_kv_ring(k_desc, v_desc, STAGES, 2)
@@ -314,11 +346,11 @@ def attn_bwd_dq_hopper_kernel(
         (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_bar, DQ, LSE, DELTA,
                         dq_base, stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale,
                         alibi_log2, SEED_OFFSET, drop_rows, seqlen_q, seqlen_k, dropout_p, CAUSAL, 0, HEADDIM,
-                        HALF_M, BLOCK_N, STAGES, DROPOUT, ALIBI)),
+                        HALF_M, BLOCK_N, STAGES, DROPOUT, ALIBI, window, WINDOW)),
         (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_bar, DQ, LSE, DELTA,
                         dq_base, stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale,
                         alibi_log2, SEED_OFFSET, drop_rows, seqlen_q, seqlen_k, dropout_p, CAUSAL, 1, HEADDIM,
-                        HALF_M, BLOCK_N, STAGES, DROPOUT, ALIBI)),
+                        HALF_M, BLOCK_N, STAGES, DROPOUT, ALIBI, window, WINDOW)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v,
                         empty, qdo_bar,
                         q_first + off_h * q_rows[1] + m0, off_h * q_cols,
@@ -340,12 +372,13 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
 
 def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: float, causal: bool,
                 seed_offset=None, dropout_p: float = 0.0, alibi_slopes=None, beside_dkdv: bool = False,
-                options: KernelOptions = DEFAULT, varlen=None, site=None) -> None:
+                options: KernelOptions = DEFAULT, varlen=None, site=None, window_left: int = -1) -> None:
     """dQ (written into dq, (B, Sq, H, D)) for a call `supported` accepted; lse, delta: (B, H, >= Sq rounded up to
     BLOCK_M) fp32, LSE +inf and delta 0 past Sq (ops.attn_bwd_impl);
     seed_offset: the forward's (2,) int64 (ops.draw_seed_offset) when dropout_p > 0; alibi_slopes: None or float32
     (H,) / (B, H); beside_dkdv: the dK/dV kernel runs at the same time on another stream (config.persistent_grid);
-    options: its persistent_dq, head_group and cached_launch. site: launch.launch's, passed on.
+    options: its persistent_dq, head_group and cached_launch. site: launch.launch's, passed on. window_left >= 0: a
+    causal sliding window (fwd.attn_fwd's), one program per query block, no dropout.
 
     varlen: None for dense rows, or (cu_seqlens_q, cu_seqlens_k, blocks) for a varlen batch (no dropout): q, dout,
     dq (total_q, H, D), k, v (total_k, Hk, D), lse and delta (H, total_q + ALIGN x batch) padded per sequence as
@@ -359,6 +392,10 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
         lse, delta = lse.unsqueeze(0), delta.unsqueeze(0)
     else:
         cu_seqlens_q = cu_seqlens_k = blocks = None
+    window = window_left >= 0
+    if window and (dropout_p > 0 or not causal):
+        raise ValueError(f"the Gluon dQ runs a sliding window only causal and without dropout, got "
+                         f"window_left={window_left}, causal={causal}, dropout_p={dropout_p}")
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     q_desc, q_rows, q_cols = descriptor(q, BLOCK_M)
@@ -371,6 +408,7 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
     persistent = options.persistent_dq
     if persistent is None:
         persistent = persistent_grid("dq", num_m, headdim, beside_dkdv)
+    persistent = persistent and not window
     if varlen is not None:  # the kernel reads each sequence's lengths from cu_seqlens
         grid, persistent, order, seqlen_q, seqlen_k = (nheads * blocks.shape[1],), False, 1, 0, 0
         num_tiles = grid[0]
@@ -385,8 +423,8 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
         q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,
         dq.stride(0), dq.stride(1), dq.stride(2), lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
         num_tiles, nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
-        CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
+        max(window_left, 0), CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HEAD_GROUP=order, DROPOUT=dropout_p > 0, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
-        VARLEN=varlen is not None,
+        VARLEN=varlen is not None, WINDOW=window,
         num_warps=4, maxnreg=MAXNREG, cached_launch=options.cached_launch, site=site,
     )

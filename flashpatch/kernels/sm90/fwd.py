@@ -48,8 +48,8 @@ from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     allocate_keep_ring, allocate_kv_ring, allocate_query_barriers, alibi_bias, carry_addend, carry_shift_in_ptx,
     descriptor, dropout_seed_offset, head_slope_log2, kept_dims, key_limit, persistent_rounds, persistent_tile,
-    philox_wide, producer_persistent, query_block_of_tile, query_block_program, sm90_dense_ok, stream_kv, tma_load,
-    varlen_query_block_program)
+    key_floor, philox_wide, producer_persistent, query_block_of_tile, query_block_program, sm90_dense_ok, stream_kv,
+    tma_load, varlen_query_block_program, window_steps)
 from flashpatch.kernels.sm90.schedule import causal_schedule_tensor
 from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_rows
 
@@ -187,12 +187,14 @@ def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready
 
 @gluon.jit
 def _fwd_step(i, ring, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
-              shift, key_lim, qk_scale, alibi_log2, MASKED: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, FOLD: gl.constexpr, keep_parts, WG: gl.constexpr, DROPOUT: gl.constexpr):
+              shift, key_lim, key_lo, qk_scale, alibi_log2, MASKED: gl.constexpr, ALIBI: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr, keep_parts, WG: gl.constexpr,
+              DROPOUT: gl.constexpr, WINDOW: gl.constexpr):
     """Key block i into (acc, m_i, l_i), from the ring's slot `ring` (= i but in a persistent program); offs_n:
-    the block's key indices relative to its start. DROPOUT: the step's keep words from consumer WG's drawer
-    (keep_parts: the words' ring, its slots WG * KEEP_SLOTS + the step's, and their barriers); the running sum
-    counts every weight, P V only the kept ones (`_fwd_epilogue` scales by 1 / (1 - p))."""
+    the block's key indices relative to its start (plus the program's first key, `window_steps`); key_lo:
+    common.key_floor's, which MASKED steps apply under a WINDOW. DROPOUT: the step's keep words from consumer WG's
+    drawer (keep_parts: the words' ring, its slots WG * KEEP_SLOTS + the step's, and their barriers); the running
+    sum counts every weight, P V only the kept ones (`_fwd_epilogue` scales by 1 / (1 - p))."""
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     s = ring % STAGES
     phase = (ring // STAGES) & 1
@@ -205,8 +207,8 @@ def _fwd_step(i, ring, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, emp
         mbarrier.wait(keep_full.index(keep_slot), (i // KEEP_SLOTS) & 1)
         words = keep_bufs.index(keep_slot).load(FWD_KEEP_WORDS)
     qk = warpgroup_mma_wait(0, deps=(qk, ))  # (HALF_M, BLOCK_N)
-    p, m_new, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, qk_scale, alibi_log2,
-                                           MASKED, ALIBI, BLOCK_N, FOLD)
+    p, m_new, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, key_lo, qk_scale,
+                                           alibi_log2, MASKED, ALIBI, BLOCK_N, FOLD, WINDOW)
     if DROPOUT:
         p = gl.where(_fwd_keep_tile(words, p), p, 0.0)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
@@ -220,10 +222,12 @@ def _fwd_step(i, ring, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, emp
 
 
 @gluon.jit
-def _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, qk_scale, alibi_log2, MASKED: gl.constexpr,
-                    ALIBI: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr):
+def _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, key_lo, qk_scale, alibi_log2,
+                    MASKED: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr,
+                    WINDOW: gl.constexpr):
     """Scores of key block i into (P, new running max, new running sum, rescale factor of the old sums); the
-    running max is in log2 units. MASKED: keys past each row's key_lim (common.key_limit) hidden.
+    running max is in log2 units. MASKED: keys past each row's key_lim (common.key_limit) hidden, and under a
+    WINDOW the keys before its key_lo (common.key_floor).
 
     FOLD (ignored with ALiBi, whose bias is added to the scaled scores): the row max is taken over the raw
     scores and scaled once per row, and the scale goes into the exponent's subtraction as one fused
@@ -238,7 +242,11 @@ def _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, qk_scale, a
             scores += alibi_bias(alibi_log2, offs_m[:, None] + shift, (i * BLOCK_N + offs_n)[None, :])
         scale = 1.0
     if MASKED:
-        scores = gl.where((i * BLOCK_N + offs_n)[None, :] <= key_lim[:, None], scores, float("-inf"))
+        keys = (i * BLOCK_N + offs_n)[None, :]
+        if WINDOW:
+            scores = gl.where((keys <= key_lim[:, None]) & (keys >= key_lo[:, None]), scores, float("-inf"))
+        else:
+            scores = gl.where(keys <= key_lim[:, None], scores, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(scores, axis=1) * scale)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet stays at 0
     alpha = gl.exp2(m_i - m_safe)
@@ -251,9 +259,10 @@ def _fwd_consumer(q_s, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o
                   m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q, seqlen_k, CAUSAL: gl.constexpr,
                   WG: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr, keep_parts, keep_fraction,
-                  DROPOUT: gl.constexpr):
+                  DROPOUT: gl.constexpr, window, WINDOW: gl.constexpr):
     """Consumer WG's queries of the program's block; with DROPOUT, keep_parts and keep_fraction = 1 - p
-    (`_fwd_step`, `_fwd_epilogue`), else unused."""
+    (`_fwd_step`, `_fwd_epilogue`), else unused. window: (masked left-edge steps, the first key block's first key,
+    window_left) of common.window_steps under a WINDOW, else unused."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
     # q_s: this warpgroup's (HALF_M, D) rows of Q
@@ -261,22 +270,30 @@ def _fwd_consumer(q_s, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
     key_lim = key_limit(offs_m, shift, seqlen_k, CAUSAL)
+    if WINDOW:
+        n_lo, key_first, window_left = window
+        offs_n += key_first  # step i holds keys key_first + i * BLOCK_N ..
+        key_lo = key_floor(offs_m, shift, window_left, WINDOW)
+    else:
+        n_lo = 0
+        key_lo = key_lim
     acc, m_i, l_i = _fwd_block(q_s, q_bar, 0, 0, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
-                               shift, key_lim, n_full, n_steps, qk_scale, alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES,
-                               ALIBI, FOLD, keep_parts, WG, DROPOUT)
+                               shift, key_lim, key_lo, n_lo, n_full, n_steps, qk_scale, alibi_log2, HEADDIM, HALF_M,
+                               BLOCK_N, STAGES, ALIBI, FOLD, keep_parts, WG, DROPOUT, WINDOW)
     _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, m0 + WG * HALF_M, seqlen_q,
                   q_s.dtype, HEADDIM, HALF_M, keep_fraction, DROPOUT)
 
 
 @gluon.jit
 def _fwd_block(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift,
-               key_lim, n_full, n_steps, qk_scale, alibi_log2, HEADDIM: gl.constexpr, HALF_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr, keep_parts,
-               WG: gl.constexpr, DROPOUT: gl.constexpr):
+               key_lim, key_lo, n_lo, n_full, n_steps, qk_scale, alibi_log2, HEADDIM: gl.constexpr,
+               HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr,
+               FOLD: gl.constexpr, keep_parts, WG: gl.constexpr, DROPOUT: gl.constexpr, WINDOW: gl.constexpr):
     """A consumer warpgroup's HALF_M query rows offs_m in a program of one query block, once their Q has landed
     (q_bar's phase q_phase): the key blocks below the diagonal without a mask, then the masked ones, read from the
-    K/V ring from slot `ring` on. Returns (acc, m_i, l_i) for `_fwd_epilogue`. keep_parts, WG, DROPOUT: `_fwd_step`'s.
-    (The persistent program's consumers run `_fwd_block_pipelined`.)"""
+    K/V ring from slot `ring` on; under a WINDOW, the n_lo blocks on its left edge masked before them. Returns
+    (acc, m_i, l_i) for `_fwd_epilogue`. keep_parts, WG, DROPOUT: `_fwd_step`'s. (The persistent program's consumers
+    run `_fwd_block_pipelined`.)"""
     s_layout: gl.constexpr = zero_s.type.layout
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEADDIM, 16])  # (queries, D)
@@ -284,14 +301,19 @@ def _fwd_block(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empt
     l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
     mbarrier.wait(q_bar, q_phase)
-    for i in range(0, n_full):
+    if WINDOW:
+        for i in range(0, n_lo):
+            acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
+                                      zero_s, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, alibi_log2, True,
+                                      ALIBI, BLOCK_N, STAGES, FOLD, keep_parts, WG, DROPOUT, WINDOW)
+    for i in range(n_lo, n_full):
         acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
-                                  zero_s, offs_m, offs_n, shift, key_lim, qk_scale, alibi_log2, False, ALIBI, BLOCK_N,
-                                  STAGES, FOLD, keep_parts, WG, DROPOUT)
+                                  zero_s, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, alibi_log2, False, ALIBI,
+                                  BLOCK_N, STAGES, FOLD, keep_parts, WG, DROPOUT, WINDOW)
     for i in range(n_full, n_steps):
         acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
-                                  zero_s, offs_m, offs_n, shift, key_lim, qk_scale, alibi_log2, True, ALIBI, BLOCK_N,
-                                  STAGES, FOLD, keep_parts, WG, DROPOUT)
+                                  zero_s, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, alibi_log2, True, ALIBI,
+                                  BLOCK_N, STAGES, FOLD, keep_parts, WG, DROPOUT, WINDOW)
     return acc, m_i, l_i
 
 
@@ -353,11 +375,11 @@ def _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_full, shift, key_
     """`_fwd_block_pipelined`'s step after its wait: block i's scores into P (the next P V's A operand: dtype,
     a_layout), masked past the first n_full blocks, and acc rescaled by the running max's change."""
     if i < n_full:
-        p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, qk_scale, alibi_log2,
-                                             False, ALIBI, BLOCK_N, FOLD)
+        p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, key_lim, qk_scale,
+                                             alibi_log2, False, ALIBI, BLOCK_N, FOLD, False)
     else:
-        p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, qk_scale, alibi_log2,
-                                             True, ALIBI, BLOCK_N, FOLD)
+        p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, key_lim, qk_scale,
+                                             alibi_log2, True, ALIBI, BLOCK_N, FOLD, False)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
     return gl.convert_layout(p.to(dtype), a_layout), acc, m_i, l_i
 
@@ -427,12 +449,15 @@ def attn_fwd_hopper_kernel(
     q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, SEED_OFFSET, SCHEDULE, CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS,
     q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
-    num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, dropout_p, schedule_rounds,
+    num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, dropout_p, schedule_rounds, window_left,
     CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, PERSISTENT: gl.constexpr,
     FOLD: gl.constexpr, CONSUMERS: gl.constexpr, DROPOUT: gl.constexpr, DRAWER_WARPS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr, VARLEN: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr, VARLEN: gl.constexpr, WINDOW: gl.constexpr,
 ):
+    # WINDOW: a causal sliding window of window_left keys (common.window_steps), on the grid of one program per block
+    gl.static_assert(not WINDOW or (CAUSAL and not PERSISTENT and not DROPOUT),
+                     "a sliding window runs causal, one program per block, without dropout")
     if PERSISTENT:  # num_tiles: batch x heads x query blocks, which the programs take in turn
         gl.static_assert(not VARLEN, "the varlen form runs one program per block")
         _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols, k_rows, k_cols, v_rows,
@@ -456,6 +481,13 @@ def attn_fwd_hopper_kernel(
         q_base = off_b * q_rows[0]
         k_base = off_b * k_rows[0]
         v_base = off_b * v_rows[0]
+    window = 0
+    if WINDOW:  # the key blocks from the first one the block's first row sees: the K/V stream starts there
+        n_first, n_lo, n_full, n_steps = window_steps(m0, shift, n_full, n_steps, window_left, CONSUMERS * HALF_M,
+                                                      BLOCK_N, WINDOW)
+        k_base += n_first * BLOCK_N
+        v_base += n_first * BLOCK_N
+        window = (n_lo, n_first * BLOCK_N, window_left)
     # Q in Q_TILES TMA tiles (a TMA tile's rows are a power of two: three consumers load one per warpgroup)
     Q_TILES: gl.constexpr = 1 if CONSUMERS == 2 else CONSUMERS
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_TILES] + q_desc.block_type.shape, q_desc.layout)
@@ -478,11 +510,11 @@ def attn_fwd_hopper_kernel(
             (_fwd_consumer, (q_smem.index(0).slice(0, HALF_M), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O,
                              LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2,
                              seqlen_q, seqlen_k, CAUSAL, 0, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD,
-                             keep_parts, 1.0 - dropout_p, True)),
+                             keep_parts, 1.0 - dropout_p, True, 0, False)),
             (_fwd_consumer, (q_smem.index(0).slice(HALF_M, HALF_M), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
                              O, LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2,
                              seqlen_q, seqlen_k, CAUSAL, 1, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD,
-                             keep_parts, 1.0 - dropout_p, True)),
+                             keep_parts, 1.0 - dropout_p, True, 0, False)),
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
                              q_row, off_h * q_cols, k_row, off_hk * k_cols, v_row, off_hk * v_cols, n_steps,
                              BLOCK_N, STAGES, Q_TILES)),
@@ -493,13 +525,16 @@ def attn_fwd_hopper_kernel(
         gl.warp_specialize([
             (_fwd_consumer, (q_smem.index(0), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base,
                              stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q,
-                             seqlen_k, CAUSAL, 0, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False)),
+                             seqlen_k, CAUSAL, 0, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False,
+                             window, WINDOW)),
             (_fwd_consumer, (q_smem.index(1), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base,
                              stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q,
-                             seqlen_k, CAUSAL, 1, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False)),
+                             seqlen_k, CAUSAL, 1, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False,
+                             window, WINDOW)),
             (_fwd_consumer, (q_smem.index(2), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base,
                              stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q,
-                             seqlen_k, CAUSAL, 2, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False)),
+                             seqlen_k, CAUSAL, 2, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False,
+                             window, WINDOW)),
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
                              q_row, off_h * q_cols, k_row, off_hk * k_cols, v_row, off_hk * v_cols, n_steps,
                              BLOCK_N, STAGES, Q_TILES)),
@@ -509,11 +544,11 @@ def attn_fwd_hopper_kernel(
             (_fwd_consumer, (q_smem.index(0).slice(0, HALF_M), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O,
                              LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2,
                              seqlen_q, seqlen_k, CAUSAL, 0, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0,
-                             False)),
+                             False, window, WINDOW)),
             (_fwd_consumer, (q_smem.index(0).slice(HALF_M, HALF_M), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
                              O, LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2,
                              seqlen_q, seqlen_k, CAUSAL, 1, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0,
-                             False)),
+                             False, window, WINDOW)),
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
                              q_row, off_h * q_cols, k_row, off_hk * k_cols, v_row, off_hk * v_cols, n_steps,
                              BLOCK_N, STAGES, Q_TILES)),
@@ -579,13 +614,16 @@ def varlen_block_rows(headdim: int) -> int:
 
 def attn_fwd_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, blocks, max_seqlen_k: int, qk_scale: float,
                     causal: bool, alibi_slopes=None, fold: bool = False, options: KernelOptions = DEFAULT,
-                    site=None) -> None:
+                    site=None, window_left: int = -1) -> None:
     """`attn_fwd` for a varlen batch (`supported`, no dropout): out (total_q, H, D) and lse (H, total_q), q:
     (total_q, H, D), k, v: (total_k, Hk, D), cu_seqlens_q / _k: (batch + 1,) int32, blocks: ops.varlen_blocks's
     (2, n) table of (sequence, block) pairs in blocks of `varlen_block_rows` queries. One program per head and pair
     (no persistent grid); the packed rows are the TMA views' rows, a sequence's tiles start at its cu_seqlens
     entry, and a tile past its end reads the next sequence's rows, masked like a dense row's last tile. site:
-    launch.launch's, passed on."""
+    launch.launch's, passed on. window_left >= 0: a causal sliding window (`attn_fwd`)."""
+    if window_left >= 0 and not causal:
+        raise ValueError(f"the Gluon forward runs a sliding window only with the causal mask, got "
+                         f"window_left={window_left} without it")
     nheads, headdim = q.shape[1], q.shape[2]
     nheads_k = k.shape[1]
     consumers = CONSUMERS_BY_HEADDIM[headdim]
@@ -597,30 +635,37 @@ def attn_fwd_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, blocks, max_s
         attn_fwd_hopper_kernel, grid, q_desc, k_desc, v_desc, out, lse, alibi_slopes, None, None, cu_seqlens_q,
         cu_seqlens_k, blocks, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, 0, out.stride(0), out.stride(1), 0,
         lse.stride(0), alibi_batch_stride(alibi_slopes), grid[0], nheads, nheads // nheads_k, 0, max_seqlen_k,
-        qk_scale, 0.0, 0,
+        qk_scale, 0.0, 0, max(window_left, 0),
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES, HEAD_GROUP=1,
         ALIBI=alibi_slopes is not None, PERSISTENT=False, FOLD=fold, CONSUMERS=consumers, DROPOUT=False,
-        DRAWER_WARPS=DRAWER_WARPS, CONSUMER_REGS=0, WORKER_REGS=0, VARLEN=True, num_warps=4,
+        DRAWER_WARPS=DRAWER_WARPS, CONSUMER_REGS=0, WORKER_REGS=0, VARLEN=True, WINDOW=window_left >= 0, num_warps=4,
         maxnreg=MAXNREG if consumers == 2 else MAXNREG_3, cached_launch=options.cached_launch, site=site,
     )
 
 
 def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None, fold: bool = False,
-             seed_offset=None, dropout_p: float = 0.0, options: KernelOptions = DEFAULT, site=None) -> None:
+             seed_offset=None, dropout_p: float = 0.0, options: KernelOptions = DEFAULT, site=None,
+             window_left: int = -1) -> None:
     """out (B, Sq, H, D) and lse (B, H, Sq, float32, natural log) for a call `supported` accepted; q: (B, Sq, H, D),
     k, v: (B, Sk, Hk, D); qk_scale = softmax_scale * log2(e); alibi_slopes: None or float32 (H,) / (B, H); fold:
     config.KernelConfigs.fold_scale (`_softmax_update`, which ignores it with ALiBi). dropout_p > 0: head dim 128,
     the keep bits drawn from seed_offset (ops.draw_seed_offset's int64 (seed, offset)) at triton.common.dropout_keep's
     counters, on the grid of one program per query block (the persistent one has no drawers). options: its
     persistent_fwd, causal_schedule, head_group and cached_launch. site: launch.launch's, for the arguments that
-    follow from the call's shapes and options (the launch tells apart a schedule table built or not)."""
+    follow from the call's shapes and options (the launch tells apart a schedule table built or not).
+    window_left >= 0: a causal sliding window, query row m seeing keys m + Sk - Sq - window_left through
+    m + Sk - Sq (common.window_steps), one program per query block, no dropout."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     dropout = dropout_p > 0
     if dropout and (headdim != 128 or seed_offset is None):
         raise ValueError(f"the Gluon forward draws dropout at head dim 128 from a seed_offset tensor, not at head dim "
                          f"{headdim} with seed_offset={seed_offset!r}")
-    if dropout:
+    window = window_left >= 0
+    if window and (dropout or not causal):
+        raise ValueError(f"the Gluon forward runs a sliding window only causal and without dropout, got "
+                         f"window_left={window_left}, causal={causal}, dropout_p={dropout_p}")
+    if dropout or window:
         persistent = False
     elif options.persistent_fwd is None:
         persistent = persistent_grid("fwd", cdiv(seqlen_q, BLOCK_M), headdim)
@@ -655,10 +700,11 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
         attn_fwd_hopper_kernel, grid, q_desc, k_desc, v_desc, out, lse, alibi_slopes, seed_offset, schedule, None,
         None, None, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes), num_tiles, nheads, nheads // nheads_k,
-        seqlen_q, seqlen_k, qk_scale, dropout_p, schedule_rounds,
+        seqlen_q, seqlen_k, qk_scale, dropout_p, schedule_rounds, max(window_left, 0),
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HEAD_GROUP=order, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
         FOLD=fold, CONSUMERS=consumers, DROPOUT=dropout, DRAWER_WARPS=DRAWER_WARPS, CONSUMER_REGS=consumer_regs,
-        WORKER_REGS=worker_regs, VARLEN=False, num_warps=4, maxnreg=maxnreg, cached_launch=options.cached_launch,
+        WORKER_REGS=worker_regs, VARLEN=False, WINDOW=window, num_warps=4, maxnreg=maxnreg,
+        cached_launch=options.cached_launch,
         site=None if site is None else (site, schedule is None),
     )
