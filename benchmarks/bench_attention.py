@@ -46,6 +46,7 @@ class Case:
     dropout: float = 0.0
     doc_lens: list[int] = field(default_factory=list)  # varlen only: the documents, packed
     alibi: bool = False  # ALiBi with the standard slopes (`alibi_slopes`); FLOPs count as without it
+    window: int = -1  # >= 0: a causal sliding window, query i seeing keys i - window .. i
 
     @property
     def varlen(self) -> bool:
@@ -53,6 +54,10 @@ class Case:
 
     def fwd_flops(self) -> float:
         """Useful forward FLOPs: QKᵀ and PV, 2·Sq·Sk·D each per head; causal halves; varlen counts real documents."""
+        if self.window >= 0:  # the (query, key) pairs a causal window leaves, counted exactly
+            w, n = self.window, self.seqlen
+            seen = sum(min(i + 1, w + 1) for i in range(n))
+            return 4.0 * self.heads * self.batch * seen * self.head_dim
         pairs = sum(n * n for n in self.doc_lens) if self.varlen else self.batch * self.seqlen**2
         flops = 4.0 * self.heads * pairs * self.head_dim
         return flops / 2 if self.causal else flops
@@ -102,6 +107,9 @@ def build_cases(quick: bool, seqlens: tuple[int, ...] | None = None) -> list[Cas
         cases.append(Case(f"d128 causal GQA 16/4 N={n}", tokens // n, 16, 4, n, 128, True))
         cases.append(Case(f"d128 causal dropout0.1 N={n}", tokens // n, 16, 16, n, 128, True, dropout=0.1))
     cases.append(Case("d128 causal ALiBi N=4096", 4, 16, 16, 4096, 128, True, alibi=True))
+    if not quick:  # sliding windows: Mistral's 4096 at 16k with GQA 32/8, and 1024 at 8k
+        cases.append(Case("d128 window 4096 GQA 32/8 N=16384", 1, 32, 8, 16384, 128, True, window=4096))
+        cases.append(Case("d128 window 1024 N=8192", 2, 16, 16, 8192, 128, True, window=1024))
     lens = varlen_lengths()
     cases.append(Case(f"d128 varlen {len(lens)} docs 64..4096", len(lens), 16, 16, max(lens), 128, True, 0.0, lens))
     if not quick:
@@ -156,14 +164,17 @@ def make_fpatch(case: Case, dtype, device):
     k = _rand(case.batch, case.seqlen, case.kv_heads, d, dtype=dtype, device=device)
     v = _rand(case.batch, case.seqlen, case.kv_heads, d, dtype=dtype, device=device)
     slopes = alibi_slopes(case.heads, device) if case.alibi else None
+    window = (case.window, 0) if case.window >= 0 else (-1, -1)
     return (lambda: flashpatch.flash_attn_func(q, k, v, dropout_p=case.dropout, causal=case.causal,
-                                               alibi_slopes=slopes)), [q, k, v]
+                                               alibi_slopes=slopes, window_size=window)), [q, k, v]
 
 
 def make_sdpa(backend_name: str):
     def make(case: Case, dtype, device):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
+        if case.window >= 0:
+            raise NotImplementedError("SDPA takes a sliding window only as a dense mask")
         backend = getattr(SDPBackend, backend_name)
         # (B, H, S, D); varlen: the documents padded to the longest, right padding, causal without a mask
         q = _rand(case.batch, case.heads, case.seqlen, case.head_dim, dtype=dtype, device=device)
@@ -214,6 +225,12 @@ def make_flex(case: Case, dtype, device):
             return (doc_id[q_idx] == doc_id[kv_idx]) & (q_idx >= kv_idx)
 
         batch, seqlen = 1, case.tokens()
+    elif case.window >= 0:
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx <= case.window)
+
+        batch, seqlen = case.batch, case.seqlen
     else:
 
         def mask_mod(b, h, q_idx, kv_idx):

@@ -4,8 +4,8 @@ torch.compile traces through them as opaque nodes.
 Dense tensors are (batch, seqlen, heads, headdim); varlen tensors are (total_tokens, heads, headdim) with
 cu_seqlens. Both run the same kernels: varlen reads a sequence's start and length from cu_seqlens, dense uses a
 batch stride. On an H100/H200 (sm_90), dense calls at head dim 64 or 128 that are causal or unmasked (with or without
-ALiBi slopes), of any lengths, run warp-specialized Gluon kernels instead, and so do such varlen calls without
-dropout (kernels/sm90/; same results); FLASHPATCH_GLUON=0 turns them off.
+ALiBi slopes), of any lengths, run warp-specialized Gluon kernels instead, and so do such varlen calls and causal
+sliding windows without dropout (kernels/sm90/; same results); FLASHPATCH_GLUON=0 turns them off.
 No argument checking here: flashpatch.validation does it in the public layer.
 """
 
@@ -389,11 +389,11 @@ def attn_fwd_impl(
                                    longest_first=opts.varlen_longest_first)
             sm90_fwd.attn_fwd_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, blocks, max_seqlen_k, qk_scale,
                                      causal=window_right == 0, alibi_slopes=alibi_slopes, fold=cfgs.fold_scale,
-                                     options=opts, site=plan.site)
+                                     options=opts, site=plan.site, window_left=window_left)
         else:
             sm90_fwd.attn_fwd(q, k, v, out, lse, qk_scale, causal=window_right == 0, alibi_slopes=alibi_slopes,
                               fold=cfgs.fold_scale, seed_offset=seed_offset, dropout_p=dropout_p, options=opts,
-                              site=plan.site)
+                              site=plan.site, window_left=window_left)
         return out, lse
     cfg = cfgs.fwd
     if plan.tma:
@@ -569,7 +569,7 @@ def attn_bwd_impl(
             sm90_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal,
                                       alibi_slopes, dq_accum=dq_accum if atomic_dq else None,
                                       seed_offset=seed_offset, dropout_p=dropout_p, options=opts, stream=stream,
-                                      varlen=gluon_varlen, site=site)
+                                      varlen=gluon_varlen, site=site, window_left=window_left)
         else:
             tma_dkdv = c.tma and tma_usable(headdim, q, k, v, dout, dq_accum, dk, dv)
             if tma_dkdv:
@@ -606,7 +606,8 @@ def attn_bwd_impl(
                                            longest_first=opts.varlen_longest_first))
             sm90_dq.attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale, softmax_scale, causal,
                                   seed_offset=seed_offset, dropout_p=dropout_p, alibi_slopes=alibi_slopes,
-                                  beside_dkdv=concurrent, options=opts, varlen=dq_varlen, site=site)
+                                  beside_dkdv=concurrent, options=opts, varlen=dq_varlen, site=site,
+                                  window_left=window_left)
         else:
             c = cfgs.bwd_dq
             tma_dq = c.tma and tma_usable(headdim, k, v)  # not atomic_dq: that branch is taken above

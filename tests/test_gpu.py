@@ -562,6 +562,80 @@ def test_gluon_varlen_matches_float64(case, dtype, dq_form, monkeypatch):
                             **kwargs)
 
 
+# Causal sliding windows on the Gluon kernels: (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, window_left)
+GLUON_WINDOW_CASES = [
+    (2, 1000, 1000, 8, 2, 128, 256),  # two key blocks wide; lengths that divide no tile
+    (1, 2048, 2048, 4, 2, 128, 100),  # narrower than a key block: the left edge inside the diagonal's blocks
+    (1, 640, 1152, 4, 2, 128, 300),  # Sq < Sk, bottom-right aligned
+    (2, 384, 128, 4, 1, 128, 50),  # Sq > Sk: the first 256 queries see no key
+    (1, 1023, 1023, 4, 4, 64, 0),  # each query sees its own key alone
+    (2, 1000, 1000, 6, 2, 64, 333),  # head dim 64: three forward consumers, K and V in registers in dK/dV
+    (1, 4096, 4096, 2, 1, 128, 1024),
+    (1, 17, 113, 2, 1, 128, 4000),  # wider than the rows: the causal mask alone
+]
+
+
+@needs_gluon
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", GLUON_WINDOW_CASES,
+                         ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-d{c[5]}-w{c[6]}")
+def test_gluon_window_matches_float64(case, dtype, monkeypatch):
+    # common.window_steps: a query block's K/V stream starts at the first key block its first row sees, the blocks
+    # on the window's left edge masked; dK/dV's query range ends where its last key leaves the windows
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, window_left = case
+    calls = []
+    for module, name in ((sm90_fwd, "attn_fwd"), (sm90_dkdv, "attn_bwd_dkdv"), (sm90_dq, "attn_bwd_dq")):
+        launch = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _launch=launch, _name=name, **kw: calls.append(
+            (_name, kw.get("window_left"))) or _launch(*a, **kw))
+    q, k, v = _gluon_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, "bshd", dtype)
+    kwargs = dict(causal=True, window_size=(window_left, 0))
+    with kernel_options.override(gluon_fwd=True, gluon_dkdv=True, gluon_dq=True, fused_dq=False):
+        out = flashpatch.flash_attn_func(q, k, v, **kwargs)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert sorted(calls) == [(name, window_left) for name in ("attn_bwd_dkdv", "attn_bwd_dq", "attn_fwd")], calls
+    check_against_reference(out, grads, q, k, v, dout, **kwargs)
+
+
+@needs_gluon
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", [
+    dict(lengths_q=[1, 17, 113, 1000, 0, 300, 4095], heads=(8, 2), headdim=128, window=200),
+    dict(lengths_q=[17, 300, 105, 2000], lengths_k=[113, 200, 64, 1999], heads=(4, 1), headdim=128, window=64),
+    dict(lengths_q=[700, 3, 1500, 129], heads=(6, 2), headdim=64, window=129, alibi=True),
+], ids=lambda c: f"{len(c['lengths_q'])}seqs-d{c['headdim']}-w{c['window']}" + ("-alibi" if c.get("alibi") else ""))
+@pytest.mark.parametrize("dq_form", ["dq_pass", "fused_dq"])
+def test_gluon_varlen_window_matches_float64(case, dtype, dq_form, monkeypatch):
+    if dq_form == "fused_dq" and not sm90_dkdv.fuses_dq(case["headdim"]):
+        pytest.skip(f"the Gluon dK/dV fuses dQ at head dim 128, not {case['headdim']}")
+    torch.manual_seed(0)
+    lengths_q = case["lengths_q"]
+    lengths_k = case.get("lengths_k", lengths_q)
+    nheads, nheads_k = case["heads"]
+    headdim = case["headdim"]
+    q = torch.randn(sum(lengths_q), nheads, headdim, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(sum(lengths_k), nheads_k, headdim, device="cuda", dtype=dtype, requires_grad=True)
+            for _ in "kv")
+    cu_q = cu_seqlens_from_lengths(torch.tensor(lengths_q, device="cuda"))
+    cu_k = cu_seqlens_from_lengths(torch.tensor(lengths_k, device="cuda"))
+    kwargs = dict(causal=True, window_size=(case["window"], 0))
+    if case.get("alibi"):
+        kwargs["alibi_slopes"] = _geometric_slopes(len(lengths_q), nheads)
+    calls = []
+    for module, name in ((sm90_fwd, "attn_fwd_varlen"), (sm90_dkdv, "attn_bwd_dkdv")):
+        launch = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _launch=launch, _name=name, **kw: calls.append(_name)
+                            or _launch(*a, **kw))
+    with kernel_options.override(gluon_fwd=True, gluon_dkdv=True, gluon_dq=True, fused_dq=dq_form == "fused_dq"):
+        out = flashpatch.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), **kwargs)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert sorted(calls) == ["attn_bwd_dkdv", "attn_fwd_varlen"], calls
+    check_against_reference(out, grads, q, k, v, dout, reference=varlen_attention_reference, ref_args=(cu_q, cu_k),
+                            **kwargs)
+
+
 def test_dropout_keep_fraction_large_tensor():
     seed_offset = flashpatch.ops.draw_seed_offset(torch.device("cuda"))
     pattern = flashpatch.ops.dropout_pattern(seed_offset, 4, 16, 2048, 2048, 0.1)  # 268M draws

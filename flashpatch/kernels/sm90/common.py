@@ -58,17 +58,20 @@ def rows_view(t: torch.Tensor):
 
 
 def sm90_dense_ok(*tensors: torch.Tensor, varlen: bool, window_left: int, window_right: int, softcap: float,
-                  dropout_p: float, with_dropout: bool = False, with_varlen: bool = False) -> bool:
+                  dropout_p: float, with_dropout: bool = False, with_varlen: bool = False,
+                  with_window: bool = False) -> bool:
     """The scope the Gluon kernels share: sm_90 with Gluon enabled (`enabled`), dense (B, S, H, D) tensors that
     `rows_view` maps (varlen (T, H, D) ones where the kernel takes them: `with_varlen`), bf16 or fp16, head dim 64
-    or 128, causal or unmasked, no softcap, no dropout unless the kernel draws it (`with_dropout`), 32-bit element
-    offsets. Any lengths: the kernels mask a last tile that runs past a sequence (`key_limit`, the backward's
-    padded LSE)."""
+    or 128, causal or unmasked (or a causal sliding window without dropout: `with_window`), no softcap, no dropout
+    unless the kernel draws it (`with_dropout`), 32-bit element offsets. Any lengths: the kernels mask a last tile
+    that runs past a sequence (`key_limit`, the backward's padded LSE)."""
     q = tensors[0]
     if not (enabled() and q.is_cuda and capability(q.device) == (9, 0)):
         return False
-    if (varlen and not with_varlen) or softcap > 0 or (dropout_p > 0 and not with_dropout) or window_left >= 0 \
+    if (varlen and not with_varlen) or softcap > 0 or (dropout_p > 0 and not with_dropout) \
             or window_right not in (-1, 0):
+        return False
+    if window_left >= 0 and not (with_window and window_right == 0 and dropout_p == 0):
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128):
         return False

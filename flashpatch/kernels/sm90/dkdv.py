@@ -104,6 +104,13 @@ def _causal_mask(p_t, offs_n, offs_m, last_key_of_first_query):
     return gl.where(offs_n[:, None] <= last_key_of_first_query + offs_m[None, :], p_t, 0.0)
 
 
+@gluon.jit
+def _window_mask(p_t, offs_n, offs_m, first_key_of_first_query):
+    """Pᵀ with the scores of keys before each query's first visible one zeroed under a causal sliding window:
+    key n is visible from query m0 + j when n >= m0 + j + Sk - Sq - window_left."""
+    return gl.where(offs_n[:, None] >= first_key_of_first_query + offs_m[None, :], p_t, 0.0)
+
+
 # Dropout. A consumer's step tile is (HALF_N, BLOCK_M) = (64 keys, 64 queries), and in the wgmma accumulator
 # layout a thread holds 32 of its scores: key bit 3 and query bits 0, 3, 4, 5 vary over its registers, the other
 # bits are its lane and warp. Its keep decisions travel from the consumer's drawer partition (`_keep_drawer`) as
@@ -258,11 +265,13 @@ def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, rea
           alibi_base, offs_m, offs_n, key0, shift, seqlen_k, qk_scale, zero_s, a_layout: gl.constexpr,
           row_layout: gl.constexpr, MASK: gl.constexpr, HALF_N: gl.constexpr, STAGES: gl.constexpr,
           ALIBI: gl.constexpr, LSE_FIRST: gl.constexpr, dq_parts, WG: gl.constexpr, FUSED_DQ: gl.constexpr,
-          keep_parts, DROPOUT: gl.constexpr):
+          keep_parts, DROPOUT: gl.constexpr, window_left=0, WINDOW: gl.constexpr = False):
     """Step i of a consumer: query block m0 of GQA head g into dK and dV. MASK: 0 none, 1 the causal mask, 2
     the causal mask where the step crosses the diagonal (a branch per step), 3 the keys past seqlen_k hidden
     (KEY_TAIL: no causal mask, and seqlen_k not a multiple of BLOCK_N; every step takes it, since a branch on the
-    program's key block between two loops made ptxas spill; a causal mask hides those keys by itself). Queries past
+    program's key block between two loops made ptxas spill; a causal mask hides those keys by itself), 4 the causal
+    sliding window's edge alone (`_window_mask`). Under a WINDOW (causal, no dropout) masks 1 and 2 hide the keys
+    before each query's window too, 2 by a branch of its own per step. Queries past
     seqlen_q need no mask: their LSE is +inf (ops.attn_bwd_impl pads it), so their P is 0. FUSED_DQ: dQ's share of
     the step too (`_fused_dq`; dq_parts its buffers and barriers, else unused). DROPOUT: the step's keep word from
     the drawer (keep_parts: the rings of keep words, consumer WG's slots WG * KEEP_SLOTS + the step's, their
@@ -299,14 +308,21 @@ def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, rea
     p_t = gl.exp2(scores_t - lse_log2[None, :])
     if MASK == 1:
         p_t = _causal_mask(p_t, offs_n, offs_m, m0 + shift)
+        if WINDOW:
+            p_t = _window_mask(p_t, offs_n, offs_m, m0 + shift - window_left)
     elif MASK == 2:  # only the steps that cross the diagonal hide any of the warpgroup's keys
         if key0 + HALF_N - 1 > m0 + shift:
             if DROPOUT:
                 p_t = gl.where(_visible_tile(zero_s, m0 + shift - key0), p_t, 0.0)
             else:
                 p_t = _causal_mask(p_t, offs_n, offs_m, m0 + shift)
+        if WINDOW:  # and the steps whose last query's window starts after the warpgroup's first key
+            if key0 < m0 + zero_s.shape[1] - 1 + shift - window_left:
+                p_t = _window_mask(p_t, offs_n, offs_m, m0 + shift - window_left)
     elif MASK == 3:
         p_t = gl.where((offs_n < seqlen_k)[:, None], p_t, 0.0)
+    elif MASK == 4:
+        p_t = _window_mask(p_t, offs_n, offs_m, m0 + shift - window_left)
     if DROPOUT:
         keep = _keep_tile(word, zero_s)
         dv = warpgroup_mma(gl.convert_layout(gl.where(keep, p_t, 0.0).to(dtype), a_layout), do_s, dv,
@@ -338,7 +354,7 @@ def _steps(dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty
            offs_n, key0, shift, seqlen_k, m_lo, m_end, total, qk_scale, zero_s, a_layout: gl.constexpr,
            row_layout: gl.constexpr, MASK: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
            STAGES: gl.constexpr, ALIBI: gl.constexpr, LSE_FIRST: gl.constexpr, dq_parts, WG: gl.constexpr,
-           FUSED_DQ: gl.constexpr, keep_parts, DROPOUT: gl.constexpr):
+           FUSED_DQ: gl.constexpr, keep_parts, DROPOUT: gl.constexpr, window_left, WINDOW: gl.constexpr):
     """A consumer's `total` steps, each with mask MASK (`_step`), over the query blocks from m_lo of each head of
     the GQA group in turn."""
     g = 0
@@ -347,7 +363,7 @@ def _steps(dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty
         dk, dv = _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty,
                        ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, seqlen_k, qk_scale, zero_s, a_layout,
                        row_layout, MASK, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, WG, FUSED_DQ, keep_parts,
-                       DROPOUT)
+                       DROPOUT, window_left, WINDOW)
         g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
     return dk, dv
 
@@ -419,10 +435,10 @@ def _dq_reducer(args, BLOCK_M: gl.constexpr):
 def _consumer(args, ALIBI_SLOPES, dq_parts, keep_parts, WG: gl.constexpr, CAUSAL: gl.constexpr,
               KEY_TAIL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
               STAGES: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr, LSE_FIRST: gl.constexpr,
-              FUSED_DQ: gl.constexpr, DROPOUT: gl.constexpr):
+              FUSED_DQ: gl.constexpr, DROPOUT: gl.constexpr, WINDOW: gl.constexpr):
     (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar, DK, DV, dk_base, stride_dks,
      dv_base, stride_dvs, alibi_base, n0, shift, seqlen_k, m_lo, m_end, total, group_size, qk_scale,
-     softmax_scale) = args
+     softmax_scale, window_left) = args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])  # (keys, queries)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -452,30 +468,41 @@ def _consumer(args, ALIBI_SLOPES, dq_parts, keep_parts, WG: gl.constexpr, CAUSAL
         # without it.
         n_mblocks = (m_end - m_lo) // BLOCK_M
         n_diag = gl.minimum(gl.cdiv(gl.maximum(key0 + HALF_N - 1 - shift - m_lo, 0), BLOCK_M), n_mblocks)
+        n_top = n_mblocks  # under a WINDOW, the steps from n_top on hide keys before their queries' windows
+        if WINDOW:
+            edge = key0 - BLOCK_M + 1 - shift + window_left - m_lo  # step j crosses the edge when j * BLOCK_M > edge
+            n_top = gl.minimum(gl.maximum(gl.where(edge < 0, 0, edge // BLOCK_M + 1), n_diag), n_mblocks)
         i = 0
         for g in range(group_size):
             for j in range(n_diag):
                 dk, dv = _step(i, g, m_lo + j * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs,
                                ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, seqlen_k,
                                qk_scale, zero_s, a_layout, row_layout, 1, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts,
-                               WG, FUSED_DQ, keep_parts, DROPOUT)
+                               WG, FUSED_DQ, keep_parts, DROPOUT, window_left, WINDOW)
                 i += 1
-            for j in range(n_diag, n_mblocks):
+            for j in range(n_diag, n_top):
                 dk, dv = _step(i, g, m_lo + j * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs,
                                ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, seqlen_k,
                                qk_scale, zero_s, a_layout, row_layout, 0, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts,
                                WG, FUSED_DQ, keep_parts, DROPOUT)
                 i += 1
+            if WINDOW:
+                for j in range(n_top, n_mblocks):
+                    dk, dv = _step(i, g, m_lo + j * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs,
+                                   delta_bufs, ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift,
+                                   seqlen_k, qk_scale, zero_s, a_layout, row_layout, 4, HALF_N, STAGES, ALIBI,
+                                   LSE_FIRST, dq_parts, WG, FUSED_DQ, keep_parts, DROPOUT, window_left, WINDOW)
+                    i += 1
     elif CAUSAL:
         dk, dv = _steps(dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, ALIBI_SLOPES,
                         alibi_base, offs_m, offs_n, key0, shift, seqlen_k, m_lo, m_end, total, qk_scale, zero_s,
                         a_layout, row_layout, 2, BLOCK_M, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, WG, FUSED_DQ,
-                        keep_parts, DROPOUT)
+                        keep_parts, DROPOUT, window_left, WINDOW)
     else:
         dk, dv = _steps(dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, ALIBI_SLOPES,
                         alibi_base, offs_m, offs_n, key0, shift, seqlen_k, m_lo, m_end, total, qk_scale, zero_s,
                         a_layout, row_layout, 3 if KEY_TAIL else 0, BLOCK_M, HALF_N, STAGES, ALIBI, LSE_FIRST,
-                        dq_parts, WG, FUSED_DQ, keep_parts, DROPOUT)
+                        dq_parts, WG, FUSED_DQ, keep_parts, DROPOUT, window_left, False)
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
 
     dtype: gl.constexpr = q_bufs.dtype
@@ -499,13 +526,16 @@ def attn_bwd_dkdv_hopper_kernel(
     CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS,  # varlen: (batch + 1,) int32 each, ops.varlen_blocks's (2, n)
     q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, dq_rows, dq_cols,  # see rows_view
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lse_b, stride_lse_h,
-    stride_alibi_b, nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
+    stride_alibi_b, nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p, window_left,
     CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr,
     HALF_N: gl.constexpr, STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr,
     LSE_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FUSED_DQ: gl.constexpr,
-    DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
+    DROPOUT: gl.constexpr, VARLEN: gl.constexpr, WINDOW: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = 2 * HALF_N
+    # WINDOW: a causal sliding window of window_left keys: a key block's queries end where its last key leaves their
+    # windows
+    gl.static_assert(not WINDOW or (CAUSAL and not DROPOUT), "a sliding window runs causal, without dropout")
     if VARLEN:  # a (sequence, key block) pair of VARLEN_BLOCKS per program, a K/V head's pairs side by side
         gl.static_assert(not DROPOUT, "the varlen form draws no dropout")
         gl.static_assert(KEY_TAIL, "a varlen sequence's last key block is masked")
@@ -538,7 +568,10 @@ def attn_bwd_dkdv_hopper_kernel(
     m_lo = 0
     if CAUSAL:
         m_lo = (gl.maximum(n0 - shift, 0) // BLOCK_M) * BLOCK_M
-    n_mblocks = gl.cdiv(gl.maximum(seqlen_q - m_lo, 0), BLOCK_M)
+    m_stop = seqlen_q
+    if WINDOW:  # query m sees key n while n >= m + Sk - Sq - window_left
+        m_stop = gl.minimum(n0 + BLOCK_N - shift + window_left, seqlen_q)
+    n_mblocks = gl.cdiv(gl.maximum(m_stop - m_lo, 0), BLOCK_M)
     if VARLEN:  # a pair past the last key block (ops.varlen_blocks) has no steps, and stores nothing
         n_mblocks = gl.where(n0 < seqlen_k, n_mblocks, 0)
     m_end = m_lo + n_mblocks * BLOCK_M
@@ -591,7 +624,7 @@ def attn_bwd_dkdv_hopper_kernel(
     # the partitions' runtime arguments as tuples, their constexprs apart (a constexpr in a tuple is not one)
     consumer_args = (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar, DK, DV,
                      dk_base, stride_dks, dv_base, stride_dvs, alibi_base, n0, shift, seqlen_k, m_lo, m_end, total,
-                     group_size, qk_scale, softmax_scale)
+                     group_size, qk_scale, softmax_scale, window_left)
     producer_args = (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
                      delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
                      q_first + off_h0 * q_rows[1], q_rows[1], off_h0 * q_cols, q_cols,
@@ -606,9 +639,9 @@ def attn_bwd_dkdv_hopper_kernel(
     if FUSED_DQ and DROPOUT:
         gl.warp_specialize([
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
             (_producer, (producer_args, BLOCK_M, STAGES)),
             (_dq_reducer, (reducer_args, BLOCK_M)),
             (_keep_drawer, (drawer_args, 0, BLOCK_M, HALF_N)),
@@ -617,18 +650,18 @@ def attn_bwd_dkdv_hopper_kernel(
     elif FUSED_DQ:
         gl.warp_specialize([
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
             (_producer, (producer_args, BLOCK_M, STAGES)),
             (_dq_reducer, (reducer_args, BLOCK_M)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     elif DROPOUT:  # a drawer partition (two warps) per consumer, each with its consumer's keys
         gl.warp_specialize([
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
             (_producer, (producer_args, BLOCK_M, STAGES)),
             (_keep_drawer, (drawer_args, 0, BLOCK_M, HALF_N)),
             (_keep_drawer, (drawer_args, 1, BLOCK_M, HALF_N)),
@@ -636,9 +669,9 @@ def attn_bwd_dkdv_hopper_kernel(
     else:
         gl.warp_specialize([
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT)),
+                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
             (_producer, (producer_args, BLOCK_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -651,7 +684,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
     the Triton kernel."""
     return sm90_dense_ok(q, k, v, dout, varlen=varlen, window_left=window_left, window_right=window_right,
                          softcap=softcap, dropout_p=dropout_p, with_dropout=q.shape[-1] == 128 and not varlen,
-                         with_varlen=True)
+                         with_varlen=True, with_window=True)
 
 
 def register_kv(headdim: int) -> bool:
@@ -717,7 +750,8 @@ def fuses_dq(headdim: int) -> bool:
 
 def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_scale: float, causal: bool,
                   alibi_slopes=None, dq_accum=None, seed_offset=None, dropout_p: float = 0.0,
-                  options: KernelOptions = DEFAULT, stream: int | None = None, varlen=None, site=None) -> None:
+                  options: KernelOptions = DEFAULT, stream: int | None = None, varlen=None, site=None,
+                  window_left: int = -1) -> None:
     """dK, dV (written into dk, dv) for a call `supported` accepted. q, dout: (B, Sq, H, D); k, v: (B, Sk, Hk, D);
     lse, delta: (B, H, >= Sq rounded up to BLOCK_M) fp32 (natural-log LSE), LSE +inf and delta 0 past Sq
     (ops.attn_bwd_impl); qk_scale = softmax_scale * log2(e); alibi_slopes: None or float32 (H,) / (B, H).
@@ -725,7 +759,8 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     key blocks' reduce-adds land in any order). dropout_p > 0: the forward's keep bits, drawn from seed_offset
     (ops.draw_seed_offset's int64 (seed, offset)); head dim 128. options: its register_kv, dkdv_consumer_registers,
     head_group and cached_launch. stream: a raw CUDA stream handle to launch on (None: the
-    current stream). site: launch.launch's, passed on.
+    current stream). site: launch.launch's, passed on. window_left >= 0: a causal sliding window (fwd.attn_fwd's),
+    no dropout.
 
     varlen: None for dense rows, or (cu_seqlens_q, cu_seqlens_k, blocks) for a varlen batch (no dropout): q, dout,
     dq_accum (total_q, H, D), k, v, dk, dv (total_k, Hk, D); lse and delta (H, total_q + ALIGN x batch) with
@@ -742,6 +777,9 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
         lse, delta = lse.unsqueeze(0), delta.unsqueeze(0)
     else:
         cu_seqlens_q = cu_seqlens_k = blocks = None
+    if window_left >= 0 and (dropout_p > 0 or not causal):
+        raise ValueError(f"the Gluon dK/dV runs a sliding window only causal and without dropout, got "
+                         f"window_left={window_left}, causal={causal}, dropout_p={dropout_p}")
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     fused = dq_accum is not None
@@ -775,13 +813,14 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
         q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, dq_rows, dq_cols,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
-        nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
+        nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p, max(window_left, 0),
         CAUSAL=causal, KEY_TAIL=varlen is not None or seqlen_k % BLOCK_N != 0, HEADDIM=headdim, BLOCK_M=block_m,
         HALF_N=HALF_N, STAGES=STAGES, HEAD_GROUP=order,
         ALIBI=alibi_slopes is not None, REG_KV=register_kv(headdim) if reg_kv is None else reg_kv,
         LSE_FIRST=lse_first(headdim),
         CONSUMER_REGS=consumer_registers(headdim, dropout) if consumer_regs is None else consumer_regs,
         PRODUCER_REGS=worker_registers(dropout), FUSED_DQ=fused, DROPOUT=dropout, VARLEN=varlen is not None,
+        WINDOW=window_left >= 0,
         num_warps=4, maxnreg=launch_maxnreg(dropout), cached_launch=options.cached_launch, on_stream=stream,
         site=site,
     )

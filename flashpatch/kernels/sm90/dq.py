@@ -367,7 +367,8 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
     """common.sm90_dense_ok, with dropout on dense rows, any lengths, varlen batches without dropout (the
     forward's bounds: fwd.supported)."""
     return sm90_dense_ok(q, k, v, dout, varlen=varlen, window_left=window_left, window_right=window_right,
-                         softcap=softcap, dropout_p=dropout_p, with_dropout=not varlen, with_varlen=True)
+                         softcap=softcap, dropout_p=dropout_p, with_dropout=not varlen, with_varlen=True,
+                         with_window=True)
 
 
 def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: float, causal: bool,

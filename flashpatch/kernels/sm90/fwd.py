@@ -603,7 +603,8 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool
     varlen batches without dropout (`attn_fwd_varlen`). Any lengths: a last query block past seqlen_q computes rows
     that are never stored, and a last key block past seqlen_k is masked (common.key_limit)."""
     return sm90_dense_ok(q, k, v, varlen=varlen, window_left=window_left, window_right=window_right, softcap=softcap,
-                         dropout_p=dropout_p, with_dropout=q.shape[-1] == 128 and not varlen, with_varlen=True)
+                         dropout_p=dropout_p, with_dropout=q.shape[-1] == 128 and not varlen, with_varlen=True,
+                         with_window=True)
 
 
 def varlen_block_rows(headdim: int) -> int:
