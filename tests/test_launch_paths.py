@@ -709,3 +709,26 @@ def test_plan_key_tells_apart_what_launches_specialize_on():
     assert key(q, kernel_options.updated(opts, fold_scale=False)) == key(q, kernel_options.updated(opts,
                                                                                                     fold_scale=False))
     assert ops._plan_key("fwd", opts, (q, None)) != ops._plan_key("fwd", opts, (q, q))
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
+@pytest.mark.parametrize("causal,dropout_p", [(False, 0.0), (True, 0.1)], ids=["not_causal", "dropout"])
+def test_gluon_kernels_refuse_windows_they_cannot_run(kernel, causal, dropout_p):
+    # the Gluon kernels run a sliding window causal and without dropout (`supported` keeps other windowed calls on
+    # the Triton kernels); a direct call is refused naming window_left, before a descriptor is built
+    from flashpatch.kernels.sm90 import dkdv as sm90_dkdv, dq as sm90_dq, fwd as sm90_fwd
+
+    q = torch.randn(1, 17, 4, 128, dtype=torch.float16)  # (B, S, H, D)
+    k, v = (torch.randn(1, 113, 2, 128, dtype=torch.float16) for _ in "kv")
+    lse = torch.zeros(1, 4, 128)
+    seed_offset = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="window_left=31"):
+        if kernel == "fwd":
+            sm90_fwd.attn_fwd(q, k, v, q.clone(), lse, 1.0, causal, seed_offset=seed_offset, dropout_p=dropout_p,
+                              window_left=31)
+        elif kernel == "dkdv":
+            sm90_dkdv.attn_bwd_dkdv(q, k, v, q, lse, lse.clone(), k.clone(), v.clone(), 1.0, 1.0, causal,
+                                      seed_offset=seed_offset, dropout_p=dropout_p, window_left=31)
+        else:
+            sm90_dq.attn_bwd_dq(q, k, v, q, lse, lse.clone(), q.clone(), 1.0, 1.0, causal, seed_offset=seed_offset,
+                                  dropout_p=dropout_p, window_left=31)
