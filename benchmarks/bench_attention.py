@@ -47,6 +47,7 @@ class Case:
     doc_lens: list[int] = field(default_factory=list)  # varlen only: the documents, packed
     alibi: bool = False  # ALiBi with the standard slopes (`alibi_slopes`); FLOPs count as without it
     window: int = -1  # >= 0: a causal sliding window, query i seeing keys i - window .. i
+    bhsd: bool = False  # flashpatch gets (B, S, H, D) views of (B, H, S, D) memory, as transformers' rotary leaves q, k
 
     @property
     def varlen(self) -> bool:
@@ -107,6 +108,7 @@ def build_cases(quick: bool, seqlens: tuple[int, ...] | None = None) -> list[Cas
         cases.append(Case(f"d128 causal GQA 16/4 N={n}", tokens // n, 16, 4, n, 128, True))
         cases.append(Case(f"d128 causal dropout0.1 N={n}", tokens // n, 16, 16, n, 128, True, dropout=0.1))
     cases.append(Case("d128 causal ALiBi N=4096", 4, 16, 16, 4096, 128, True, alibi=True))
+    cases.append(Case("d128 causal N=4096 BHSD memory", 4, 16, 16, 4096, 128, True, bhsd=True))
     if not quick:  # sliding windows: Mistral's 4096 at 16k with GQA 32/8, and 1024 at 8k
         cases.append(Case("d128 window 4096 GQA 32/8 N=16384", 1, 32, 8, 16384, 128, True, window=4096))
         cases.append(Case("d128 window 1024 N=8192", 2, 16, 16, 8192, 128, True, window=1024))
@@ -160,6 +162,13 @@ def make_fpatch(case: Case, dtype, device):
             )
 
         return fn, [q, k, v]
+    if case.bhsd:  # (B, S, H, D) views of (B, H, S, D) memory; the leaves keep their own layout
+        leaves = [_rand(case.batch, h, case.seqlen, d, dtype=dtype, device=device)
+                  for h in (case.heads, case.kv_heads, case.kv_heads)]
+        q, k, v = (t.transpose(1, 2) for t in leaves)
+        slopes = alibi_slopes(case.heads, device) if case.alibi else None
+        return (lambda: flashpatch.flash_attn_func(q, k, v, dropout_p=case.dropout, causal=case.causal,
+                                                   alibi_slopes=slopes)), leaves
     q = _rand(case.batch, case.seqlen, case.heads, d, dtype=dtype, device=device)  # (B, S, H, D)
     k = _rand(case.batch, case.seqlen, case.kv_heads, d, dtype=dtype, device=device)
     v = _rand(case.batch, case.seqlen, case.kv_heads, d, dtype=dtype, device=device)
