@@ -326,6 +326,26 @@ def _empty_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
+def _is_dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill its storage span without gaps or overlaps, in any dimension order."""
+    span = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != span:
+            return False
+        span *= size
+    return True
+
+
+def _grad_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialized gradient for t, in t's own memory order where t is dense: a (B, S, H, D) view of (B, H, S, D)
+    memory, as transformers' rotary embedding leaves q and k, gets its gradient in that memory, so that neither a
+    leaf's gradient accumulation nor the rotary backward copies it. Contiguous where t has gaps (a slice of a packed
+    qkv tensor)."""
+    if t.is_contiguous() or not _is_dense(t):
+        return _empty_like(t)
+    return torch.empty_like(t)  # preserve_format keeps a dense tensor's strides
+
+
 @dataclasses.dataclass(frozen=True)
 class _FwdPlan:
     cfgs: kernel_config.KernelConfigs
@@ -509,7 +529,7 @@ def attn_bwd_impl(
     deterministic: bool,
     alibi_slopes: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dq, dk, dv) shaped like q, k, v (contiguous)."""
+    """Returns (dq, dk, dv) shaped like q, k, v, each in its input's memory order where that is dense (`_grad_like`)."""
     _check_runnable(q)
     # Incoming gradients can be broadcast views (stride 0, e.g. from a sum); the kernels need unit stride in
     # the last dimension. User inputs are validated instead, never copied.
@@ -519,7 +539,7 @@ def attn_bwd_impl(
     nheads, headdim = q.shape[-2], q.shape[-1]
     nheads_k = k.shape[-2]
     batch = batch_size(q, cu_seqlens_q)
-    dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
+    dq, dk, dv = _grad_like(q), _grad_like(k), _grad_like(v)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     opts = kernel_options.current()  # read once: every launch of the call takes the same
@@ -658,8 +678,7 @@ attn_bwd = torch.library.custom_op("flashpatch::attn_bwd", attn_bwd_impl, mutate
 @attn_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed_offset, dropout_p,
       softmax_scale, window_left, window_right, softcap, deterministic, alibi_slopes=None):
-    fresh = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
-    return fresh(q), fresh(k), fresh(v)
+    return _grad_like(q), _grad_like(k), _grad_like(v)
 
 
 @_on_input_device

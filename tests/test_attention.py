@@ -97,6 +97,10 @@ def test_non_contiguous_strides():
         dout = torch.randn(batch, nheads, seqlen, headdim).transpose(1, 2)  # non-contiguous gradient too
         grads = torch.autograd.grad(out, (query, k, v), dout)
         check_against_reference(out, grads, query, k, v, dout, causal=True)
+        # a dense input's gradient keeps its memory order; one with gaps gets a contiguous gradient
+        assert grads[0].stride() == (query.stride() if query is q_bhsd else (seqlen * nheads * headdim,
+                                                                              nheads * headdim, headdim, 1))
+        assert grads[1].is_contiguous() and grads[2].is_contiguous()
 
 
 def test_deterministic_backward_is_bitwise_repeatable():
@@ -169,6 +173,24 @@ def test_custom_ops_pass_opcheck():
     args = (q, k, v, None, None, 9, 11, None, 0.0, 0.25, -1, 0, 0.0)
     torch.library.opcheck(torch.ops.flashpatch.attn_fwd.default, args,
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_backward_op_fake_gives_the_real_gradient_strides():
+    q = torch.randn(2, 3, 9, 16).transpose(1, 2)  # (B, S, H, D) view of (B, H, S, D) memory: dense, kept
+    k = torch.randn(2, 11, 2, 1, 16)[:, :, 0]  # a slice with gaps: its gradient is contiguous
+    v = torch.randn(2, 1, 11, 16).transpose(1, 2)  # one head: contiguous and (B, H, S, D) at once
+    out, lse = torch.ops.flashpatch.attn_fwd(q, k, v, None, None, 9, 11, None, 0.0, 0.25, -1, 0, 0.0)
+    args = (torch.randn_like(out), q, k, v, out, lse, None, None, 9, 11, None, 0.0, 0.25, -1, 0, 0.0, False)
+    torch.library.opcheck(torch.ops.flashpatch.attn_bwd.default, args, test_utils=("test_schema", "test_faketensor"))
+    real = torch.ops.flashpatch.attn_bwd(*args)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = torch.ops.flashpatch.attn_bwd(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                                               for a in args))
+    def layout(t):  # strides of the dimensions that have any (a size-1 dimension's stride addresses nothing)
+        return [s for s, n in zip(t.stride(), t.shape) if n > 1]
+
+    assert [layout(t) for t in real] == [layout(t) for t in fake]
+    assert layout(real[0]) == layout(q) and real[1].is_contiguous() and real[2].is_contiguous()
 
 
 BAD_INPUTS = [
