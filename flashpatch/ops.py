@@ -403,17 +403,17 @@ def attn_fwd_impl(
                                            window_right, softcap, dropout_p, opts, key))
     cfgs = plan.cfgs
     if plan.gluon:  # the Gluon kernel where it applies
-        qk_scale = _scales(softmax_scale, softcap)[0]
+        qk_scale, cap_log2 = _scales(softmax_scale, softcap)
         if varlen:
             blocks = varlen_blocks(cu_seqlens_q, q.shape[0], sm90_fwd.varlen_block_rows(headdim), heaviest_first=True,
                                    longest_first=opts.varlen_longest_first)
             sm90_fwd.attn_fwd_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, blocks, max_seqlen_k, qk_scale,
                                      causal=window_right == 0, alibi_slopes=alibi_slopes, fold=cfgs.fold_scale,
-                                     options=opts, site=plan.site, window_left=window_left)
+                                     options=opts, site=plan.site, window_left=window_left, cap_log2=cap_log2)
         else:
             sm90_fwd.attn_fwd(q, k, v, out, lse, qk_scale, causal=window_right == 0, alibi_slopes=alibi_slopes,
                               fold=cfgs.fold_scale, seed_offset=seed_offset, dropout_p=dropout_p, options=opts,
-                              site=plan.site, window_left=window_left)
+                              site=plan.site, window_left=window_left, cap_log2=cap_log2)
         return out, lse
     cfg = cfgs.fwd
     if plan.tma:
@@ -589,7 +589,7 @@ def attn_bwd_impl(
             sm90_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal,
                                       alibi_slopes, dq_accum=dq_accum if atomic_dq else None,
                                       seed_offset=seed_offset, dropout_p=dropout_p, options=opts, stream=stream,
-                                      varlen=gluon_varlen, site=site, window_left=window_left)
+                                      varlen=gluon_varlen, site=site, window_left=window_left, cap_log2=cap_log2)
         else:
             tma_dkdv = c.tma and tma_usable(headdim, q, k, v, dout, dq_accum, dk, dv)
             if tma_dkdv:
@@ -627,7 +627,7 @@ def attn_bwd_impl(
             sm90_dq.attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale, softmax_scale, causal,
                                   seed_offset=seed_offset, dropout_p=dropout_p, alibi_slopes=alibi_slopes,
                                   beside_dkdv=concurrent, options=opts, varlen=dq_varlen, site=site,
-                                  window_left=window_left)
+                                  window_left=window_left, cap_log2=cap_log2)
         else:
             c = cfgs.bwd_dq
             tma_dq = c.tma and tma_usable(headdim, k, v)  # not atomic_dq: that branch is taken above

@@ -636,6 +636,95 @@ def test_gluon_varlen_window_matches_float64(case, dtype, dq_form, monkeypatch):
                             **kwargs)
 
 
+# Softcap on the Gluon kernels: (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, extra
+# flash_attn_func arguments). q is scaled by 4 so that many scores reach the cap's bend.
+GLUON_SOFTCAP_CASES = [
+    (2, 1000, 1000, 8, 2, 128, True, {}),  # the persistent forward; lengths that divide no tile
+    (1, 640, 1152, 4, 2, 128, False, {}),  # Sq < Sk, unmasked
+    (2, 384, 128, 4, 1, 128, True, {}),  # Sq > Sk: the first 256 queries see no key
+    (2, 1023, 1023, 6, 2, 64, True, {}),  # head dim 64: three forward consumers, K and V in registers in dK/dV
+    (1, 17, 113, 2, 1, 64, False, {}),
+    (1, 2048, 2048, 4, 2, 128, True, dict(window_size=(300, 0))),  # a sliding window: one program per block
+    (2, 513, 513, 4, 4, 128, True, dict(alibi=True)),  # ALiBi after the cap, as the reference adds it
+    (2, 1000, 1000, 4, 2, 128, True, dict(dropout_p=0.1)),  # the forward's drawers; the Triton dK/dV
+]
+
+
+def _check_softcap_case(case, dtype, monkeypatch, **options):
+    """A GLUON_SOFTCAP_CASES case with softcap 10 against float64, the Gluon kernels on unless options (for
+    kernel_options.override) turn them off; returns the names of the sm90 launchers that ran."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, extra = case
+    calls = []
+    for module, name in ((sm90_fwd, "attn_fwd"), (sm90_dkdv, "attn_bwd_dkdv"), (sm90_dq, "attn_bwd_dq")):
+        launch = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _launch=launch, _name=name, **kw: calls.append(
+            (_name, kw.get("cap_log2"))) or _launch(*a, **kw))
+    q, k, v = _gluon_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, "bshd", dtype)
+    q = (q.detach() * 4).requires_grad_()
+    kwargs = dict(causal=causal, softcap=10.0, **{key: val for key, val in extra.items() if key != "alibi"})
+    if extra.get("alibi"):
+        kwargs["alibi_slopes"] = _geometric_slopes(batch, nheads)
+    # the Gluon kernels where config would take the Triton ones (head dim 64's short rows)
+    with kernel_options.override(**{"gluon_fwd": True, "gluon_dkdv": True, "gluon_dq": True, **options}):
+        out, _, pattern = flashpatch.flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    keep = {"dropout_keep": pattern > 0} if pattern is not None else {}
+    check_against_reference(out, grads, q, k, v, dout, **keep, **kwargs)
+    assert all(cap == pytest.approx(10.0 * 1.4426950408889634) for _, cap in calls), calls
+    return sorted(name for name, _ in calls)
+
+
+def _softcap_id(c):
+    return (f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-d{c[5]}-{'causal' if c[6] else 'full'}"
+            + "".join(f"-{k}" for k in c[7]))
+
+
+@needs_gluon
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", GLUON_SOFTCAP_CASES, ids=_softcap_id)
+def test_gluon_softcap_matches_float64(case, dtype, monkeypatch):
+    # common.softcap_tanh in the forward's softmax and in both backward kernels' P, whose dS takes 1 - tanh^2
+    launched = _check_softcap_case(case, dtype, monkeypatch)
+    assert "attn_fwd" in launched and ("attn_bwd_dkdv" in launched) == ("dropout_p" not in case[7]), launched
+
+
+@needs_gluon
+@pytest.mark.parametrize("case", [GLUON_SOFTCAP_CASES[0], GLUON_SOFTCAP_CASES[3]], ids=_softcap_id)
+@pytest.mark.parametrize("form", ["fused_dq", "triton_backward"])
+def test_gluon_softcap_forms_match_float64_bf16(case, form, monkeypatch):
+    # the dQ that the dK/dV adds itself, and the Gluon forward before the Triton backward (which recomputes P with
+    # its own tanh)
+    if form == "fused_dq" and not sm90_dkdv.fuses_dq(case[5]):
+        pytest.skip(f"the Gluon dK/dV fuses dQ at head dim 128, not {case[5]}")
+    options = {"fused_dq": dict(fused_dq=True), "triton_backward": dict(gluon_dkdv=False, gluon_dq=False)}[form]
+    launched = _check_softcap_case(case, torch.bfloat16, monkeypatch, **options)
+    assert "attn_fwd" in launched and ("attn_bwd_dkdv" in launched) == (form != "triton_backward"), launched
+
+
+@needs_gluon
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gluon_varlen_softcap_matches_float64(dtype, monkeypatch):
+    torch.manual_seed(0)
+    lengths_q, lengths_k = [1, 17, 113, 1000, 0, 300], [5, 17, 200, 1000, 3, 299]
+    q = (4 * torch.randn(sum(lengths_q), 8, 128, device="cuda", dtype=dtype)).requires_grad_()
+    k, v = (torch.randn(sum(lengths_k), 2, 128, device="cuda", dtype=dtype, requires_grad=True) for _ in "kv")
+    cu_q = cu_seqlens_from_lengths(torch.tensor(lengths_q, device="cuda"))
+    cu_k = cu_seqlens_from_lengths(torch.tensor(lengths_k, device="cuda"))
+    calls = []
+    for module, name in ((sm90_fwd, "attn_fwd_varlen"), (sm90_dkdv, "attn_bwd_dkdv")):
+        launch = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _launch=launch, _name=name, **kw: calls.append(
+            (_name, kw.get("cap_log2"))) or _launch(*a, **kw))
+    kwargs = dict(causal=True, softcap=10.0)
+    out = flashpatch.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), **kwargs)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert sorted(name for name, cap in calls if cap > 0) == ["attn_bwd_dkdv", "attn_fwd_varlen"], calls
+    check_against_reference(out, grads, q, k, v, dout, reference=varlen_attention_reference, ref_args=(cu_q, cu_k),
+                            **kwargs)
+
+
 def test_dropout_keep_fraction_large_tensor():
     seed_offset = flashpatch.ops.draw_seed_offset(torch.device("cuda"))
     pattern = flashpatch.ops.dropout_pattern(seed_offset, 4, 16, 2048, 2048, 0.1)  # 268M draws

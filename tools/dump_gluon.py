@@ -40,6 +40,7 @@ def main():
     parser.add_argument("--varlen", action="store_true", help="the varlen form (a (sequence, block) table)")
     parser.add_argument("--persistent", action="store_true", help="the forward's or dQ's PERSISTENT variant")
     parser.add_argument("--window", action="store_true", help="the forward's or dQ's causal sliding window")
+    parser.add_argument("--softcap", action="store_true", help="scores capped by softcap (sm90.common.softcap_tanh)")
     parser.add_argument("--consumers", type=int, default=0, help="the forward's consumer warpgroups (0: its rule)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=0|1",
                         help="a constexpr of the kernel (FOLD, REG_KV, LSE_FIRST); unset ones take the "
@@ -88,6 +89,8 @@ def main():
     consts.update(ALIBI=args.alibi, VARLEN=args.varlen)
     if "WINDOW" in fn.arg_names:
         consts.update(WINDOW=args.window)
+    if "SOFTCAP" in fn.arg_names:
+        consts.update(SOFTCAP=args.softcap)
     if not args.varlen:
         consts.update(CU_SEQLENS_Q=None, CU_SEQLENS_K=None, VARLEN_BLOCKS=None)
     flags = dict(item.split("=") for item in args.set)
@@ -115,7 +118,7 @@ def main():
             sig[name] = "*bf16"
         elif name.endswith("_rows"):
             sig[name] = ("i32", "i32")
-        elif name in ("qk_scale", "softmax_scale", "dropout_p"):
+        elif name in ("qk_scale", "cap_log2", "softmax_scale", "dropout_p"):
             sig[name] = "fp32"
         elif name == "SEED_OFFSET":
             sig[name] = "*i64"
@@ -134,7 +137,7 @@ def main():
                   f"{f'_c{args.consumers}' if args.consumers else ''}{'_dropout' if args.dropout else ''}"
                   f"{'_alibi' if args.alibi else ''}{'_persistent' if args.persistent else ''}"
                   f"{'_tail' if args.key_tail else ''}{'_varlen' if args.varlen else ''}"
-                  f"{'_window' if args.window else ''}"
+                  f"{'_window' if args.window else ''}{'_softcap' if args.softcap else ''}"
                   + "".join(f"_{item.split('=')[0].lower()}" for item in args.set if item.endswith("=1")))
     ptx = kernel.asm["ptx"]
     stem.with_suffix(".ttgir").write_text(kernel.asm["ttgir"])

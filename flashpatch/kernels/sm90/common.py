@@ -59,16 +59,17 @@ def rows_view(t: torch.Tensor):
 
 def sm90_dense_ok(*tensors: torch.Tensor, varlen: bool, window_left: int, window_right: int, softcap: float,
                   dropout_p: float, with_dropout: bool = False, with_varlen: bool = False,
-                  with_window: bool = False) -> bool:
+                  with_window: bool = False, with_softcap: bool = False) -> bool:
     """The scope the Gluon kernels share: sm_90 with Gluon enabled (`enabled`), dense (B, S, H, D) tensors that
     `rows_view` maps (varlen (T, H, D) ones where the kernel takes them: `with_varlen`), bf16 or fp16, head dim 64
-    or 128, causal or unmasked (or a causal sliding window without dropout: `with_window`), no softcap, no dropout
+    or 128, causal or unmasked (or a causal sliding window without dropout: `with_window`), no softcap (unless the
+    kernel caps the scores: `with_softcap`), no dropout
     unless the kernel draws it (`with_dropout`), 32-bit element offsets. Any lengths: the kernels mask a last tile
     that runs past a sequence (`key_limit`, the backward's padded LSE)."""
     q = tensors[0]
     if not (enabled() and q.is_cuda and capability(q.device) == (9, 0)):
         return False
-    if (varlen and not with_varlen) or softcap > 0 or (dropout_p > 0 and not with_dropout) \
+    if (varlen and not with_varlen) or (softcap > 0 and not with_softcap) or (dropout_p > 0 and not with_dropout) \
             or window_right not in (-1, 0):
         return False
     if window_left >= 0 and not (with_window and window_right == 0 and dropout_p == 0):
@@ -362,6 +363,15 @@ def philox_wide(seed, counter):
         c1 = lo_b
         c3 = lo_a
     return c0, c1, c2, c3
+
+
+@gluon.jit
+def softcap_tanh(x):
+    """tanh(x) for softcap's scores, cap_log2 * tanh(qk * qk_scale) in log2 units (qk_scale = softmax_scale / softcap,
+    cap_log2 = softcap * log2(e): ops._scales), as the MUFU's tanh.approx.f32: one instruction, with a relative error
+    of about 2^-11 (a bf16 score's own rounding is 2^-9). 1 - 2 / (e^2x + 1) through exp2 and a division, as the
+    Triton kernels compute it, cost a quarter of the forward's speed (docs/tuning.md)."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
 
 
 @gluon.jit

@@ -67,7 +67,7 @@ from flashpatch.kernels.launch import cdiv, launch
 from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     TMA_REDUCE, alibi_bias, allocate_keep_ring, carry_addend, carry_shift_in_ptx, descriptor, dropout_seed_offset,
-    fp32_descriptor, head_slope_log2, kept_dims, philox_wide, sm90_dense_ok, tma_load, tma_reduce_add,
+    fp32_descriptor, head_slope_log2, kept_dims, philox_wide, sm90_dense_ok, softcap_tanh, tma_load, tma_reduce_add,
     varlen_lse_start, varlen_pair, vector_descriptor)
 from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_rows, head_and_block
 
@@ -262,10 +262,10 @@ def _producer(args, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
 
 @gluon.jit
 def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, ALIBI_SLOPES,
-          alibi_base, offs_m, offs_n, key0, shift, seqlen_k, qk_scale, zero_s, a_layout: gl.constexpr,
+          alibi_base, offs_m, offs_n, key0, shift, seqlen_k, qk_scale, cap_log2, zero_s, a_layout: gl.constexpr,
           row_layout: gl.constexpr, MASK: gl.constexpr, HALF_N: gl.constexpr, STAGES: gl.constexpr,
-          ALIBI: gl.constexpr, LSE_FIRST: gl.constexpr, dq_parts, WG: gl.constexpr, FUSED_DQ: gl.constexpr,
-          keep_parts, DROPOUT: gl.constexpr, window_left=0, WINDOW: gl.constexpr = False):
+          ALIBI: gl.constexpr, SOFTCAP: gl.constexpr, LSE_FIRST: gl.constexpr, dq_parts, WG: gl.constexpr,
+          FUSED_DQ: gl.constexpr, keep_parts, DROPOUT: gl.constexpr, window_left=0, WINDOW: gl.constexpr = False):
     """Step i of a consumer: query block m0 of GQA head g into dK and dV. MASK: 0 none, 1 the causal mask, 2
     the causal mask where the step crosses the diagonal (a branch per step), 3 the keys past seqlen_k hidden
     (KEY_TAIL: no causal mask, and seqlen_k not a multiple of BLOCK_N; every step takes it, since a branch on the
@@ -276,7 +276,9 @@ def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, rea
     the step too (`_fused_dq`; dq_parts its buffers and barriers, else unused). DROPOUT: the step's keep word from
     the drawer (keep_parts: the rings of keep words, consumer WG's slots WG * KEEP_SLOTS + the step's, their
     barriers, and 1 / (1 - p)); dV sums the kept Pᵀ dO unscaled (`_consumer` scales it once at the end), and
-    dS = P (Z dP / (1 - p) - delta)."""
+    dS = P (Z dP / (1 - p) - delta). SOFTCAP (`common.softcap_tanh`; no dropout): the scores are
+    cap_log2 * tanh(s * qk_scale), and dS takes the cap's derivative 1 - tanh^2, a tile kept from the scores until
+    P has gone to dV's matmul (ptxas spills about 100 bytes at head dim 128 for it, and far more with dropout)."""
     dtype: gl.constexpr = q_bufs.dtype
     s = i % STAGES
     alibi_log2 = head_slope_log2(ALIBI_SLOPES, alibi_base + g, ALIBI)  # the step's query head's slope
@@ -302,7 +304,12 @@ def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, rea
     mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
     if DROPOUT and not FUSED_DQ:
         mbarrier.arrive(keep_empty.index(WG * KEEP_SLOTS + (i + KEEP_SLOTS - 1) % KEEP_SLOTS), pred=i > 0)
-    scores_t = s_t * qk_scale  # log2 units
+    if SOFTCAP:
+        t_t = softcap_tanh(s_t * qk_scale)
+        slope_t = 1.0 - t_t * t_t  # the cap's derivative, for dS
+        scores_t = cap_log2 * t_t  # log2 units
+    else:
+        scores_t = s_t * qk_scale  # log2 units
     if ALIBI:
         scores_t += alibi_bias(alibi_log2, (m0 + shift) + offs_m[None, :], offs_n[:, None])
     p_t = gl.exp2(scores_t - lse_log2[None, :])
@@ -329,6 +336,8 @@ def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, rea
                            is_async=True)
     else:
         dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
+    if SOFTCAP:
+        p_t = p_t * slope_t
     if LSE_FIRST:  # delta is live from here on only, with LSE no longer needed
         delta = delta_bufs.index(s).load(row_layout)
     dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
@@ -351,19 +360,20 @@ def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, rea
 
 @gluon.jit
 def _steps(dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, ALIBI_SLOPES, alibi_base, offs_m,
-           offs_n, key0, shift, seqlen_k, m_lo, m_end, total, qk_scale, zero_s, a_layout: gl.constexpr,
+           offs_n, key0, shift, seqlen_k, m_lo, m_end, total, qk_scale, cap_log2, zero_s, a_layout: gl.constexpr,
            row_layout: gl.constexpr, MASK: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
-           STAGES: gl.constexpr, ALIBI: gl.constexpr, LSE_FIRST: gl.constexpr, dq_parts, WG: gl.constexpr,
-           FUSED_DQ: gl.constexpr, keep_parts, DROPOUT: gl.constexpr, window_left, WINDOW: gl.constexpr):
+           STAGES: gl.constexpr, ALIBI: gl.constexpr, SOFTCAP: gl.constexpr, LSE_FIRST: gl.constexpr, dq_parts,
+           WG: gl.constexpr, FUSED_DQ: gl.constexpr, keep_parts, DROPOUT: gl.constexpr, window_left,
+           WINDOW: gl.constexpr):
     """A consumer's `total` steps, each with mask MASK (`_step`), over the query blocks from m_lo of each head of
     the GQA group in turn."""
     g = 0
     m0 = m_lo
     for i in range(total):
         dk, dv = _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty,
-                       ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, seqlen_k, qk_scale, zero_s, a_layout,
-                       row_layout, MASK, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, WG, FUSED_DQ, keep_parts,
-                       DROPOUT, window_left, WINDOW)
+                       ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, seqlen_k, qk_scale, cap_log2, zero_s,
+                       a_layout, row_layout, MASK, HALF_N, STAGES, ALIBI, SOFTCAP, LSE_FIRST, dq_parts, WG, FUSED_DQ,
+                       keep_parts, DROPOUT, window_left, WINDOW)
         g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
     return dk, dv
 
@@ -434,10 +444,10 @@ def _dq_reducer(args, BLOCK_M: gl.constexpr):
 @gluon.jit
 def _consumer(args, ALIBI_SLOPES, dq_parts, keep_parts, WG: gl.constexpr, CAUSAL: gl.constexpr,
               KEY_TAIL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
-              STAGES: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr, LSE_FIRST: gl.constexpr,
-              FUSED_DQ: gl.constexpr, DROPOUT: gl.constexpr, WINDOW: gl.constexpr):
+              STAGES: gl.constexpr, ALIBI: gl.constexpr, SOFTCAP: gl.constexpr, REG_KV: gl.constexpr,
+              LSE_FIRST: gl.constexpr, FUSED_DQ: gl.constexpr, DROPOUT: gl.constexpr, WINDOW: gl.constexpr):
     (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar, DK, DV, dk_base, stride_dks,
-     dv_base, stride_dvs, alibi_base, n0, shift, seqlen_k, m_lo, m_end, total, group_size, qk_scale,
+     dv_base, stride_dvs, alibi_base, n0, shift, seqlen_k, m_lo, m_end, total, group_size, qk_scale, cap_log2,
      softmax_scale, window_left) = args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])  # (keys, queries)
@@ -477,32 +487,33 @@ def _consumer(args, ALIBI_SLOPES, dq_parts, keep_parts, WG: gl.constexpr, CAUSAL
             for j in range(n_diag):
                 dk, dv = _step(i, g, m_lo + j * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs,
                                ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, seqlen_k,
-                               qk_scale, zero_s, a_layout, row_layout, 1, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts,
-                               WG, FUSED_DQ, keep_parts, DROPOUT, window_left, WINDOW)
+                               qk_scale, cap_log2, zero_s, a_layout, row_layout, 1, HALF_N, STAGES, ALIBI, SOFTCAP,
+                               LSE_FIRST, dq_parts, WG, FUSED_DQ, keep_parts, DROPOUT, window_left, WINDOW)
                 i += 1
             for j in range(n_diag, n_top):
                 dk, dv = _step(i, g, m_lo + j * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs,
                                ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, seqlen_k,
-                               qk_scale, zero_s, a_layout, row_layout, 0, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts,
-                               WG, FUSED_DQ, keep_parts, DROPOUT)
+                               qk_scale, cap_log2, zero_s, a_layout, row_layout, 0, HALF_N, STAGES, ALIBI, SOFTCAP,
+                               LSE_FIRST, dq_parts, WG, FUSED_DQ, keep_parts, DROPOUT)
                 i += 1
             if WINDOW:
                 for j in range(n_top, n_mblocks):
                     dk, dv = _step(i, g, m_lo + j * BLOCK_M, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs,
                                    delta_bufs, ready, empty, ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift,
-                                   seqlen_k, qk_scale, zero_s, a_layout, row_layout, 4, HALF_N, STAGES, ALIBI,
-                                   LSE_FIRST, dq_parts, WG, FUSED_DQ, keep_parts, DROPOUT, window_left, WINDOW)
+                                   seqlen_k, qk_scale, cap_log2, zero_s, a_layout, row_layout, 4, HALF_N, STAGES,
+                                   ALIBI, SOFTCAP, LSE_FIRST, dq_parts, WG, FUSED_DQ, keep_parts, DROPOUT,
+                                   window_left, WINDOW)
                     i += 1
     elif CAUSAL:
         dk, dv = _steps(dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, ALIBI_SLOPES,
-                        alibi_base, offs_m, offs_n, key0, shift, seqlen_k, m_lo, m_end, total, qk_scale, zero_s,
-                        a_layout, row_layout, 2, BLOCK_M, HALF_N, STAGES, ALIBI, LSE_FIRST, dq_parts, WG, FUSED_DQ,
-                        keep_parts, DROPOUT, window_left, WINDOW)
+                        alibi_base, offs_m, offs_n, key0, shift, seqlen_k, m_lo, m_end, total, qk_scale, cap_log2,
+                        zero_s, a_layout, row_layout, 2, BLOCK_M, HALF_N, STAGES, ALIBI, SOFTCAP, LSE_FIRST, dq_parts,
+                        WG, FUSED_DQ, keep_parts, DROPOUT, window_left, WINDOW)
     else:
         dk, dv = _steps(dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, ALIBI_SLOPES,
-                        alibi_base, offs_m, offs_n, key0, shift, seqlen_k, m_lo, m_end, total, qk_scale, zero_s,
-                        a_layout, row_layout, 3 if KEY_TAIL else 0, BLOCK_M, HALF_N, STAGES, ALIBI, LSE_FIRST,
-                        dq_parts, WG, FUSED_DQ, keep_parts, DROPOUT, window_left, False)
+                        alibi_base, offs_m, offs_n, key0, shift, seqlen_k, m_lo, m_end, total, qk_scale, cap_log2,
+                        zero_s, a_layout, row_layout, 3 if KEY_TAIL else 0, BLOCK_M, HALF_N, STAGES, ALIBI, SOFTCAP,
+                        LSE_FIRST, dq_parts, WG, FUSED_DQ, keep_parts, DROPOUT, window_left, False)
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
 
     dtype: gl.constexpr = q_bufs.dtype
@@ -526,11 +537,11 @@ def attn_bwd_dkdv_hopper_kernel(
     CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS,  # varlen: (batch + 1,) int32 each, ops.varlen_blocks's (2, n)
     q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, dq_rows, dq_cols,  # see rows_view
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lse_b, stride_lse_h,
-    stride_alibi_b, nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p, window_left,
+    stride_alibi_b, nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2, softmax_scale, dropout_p, window_left,
     CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr,
-    HALF_N: gl.constexpr, STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, REG_KV: gl.constexpr,
-    LSE_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FUSED_DQ: gl.constexpr,
-    DROPOUT: gl.constexpr, VARLEN: gl.constexpr, WINDOW: gl.constexpr,
+    HALF_N: gl.constexpr, STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, SOFTCAP: gl.constexpr,
+    REG_KV: gl.constexpr, LSE_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    FUSED_DQ: gl.constexpr, DROPOUT: gl.constexpr, VARLEN: gl.constexpr, WINDOW: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = 2 * HALF_N
     # WINDOW: a causal sliding window of window_left keys: a key block's queries end where its last key leaves their
@@ -624,7 +635,7 @@ def attn_bwd_dkdv_hopper_kernel(
     # the partitions' runtime arguments as tuples, their constexprs apart (a constexpr in a tuple is not one)
     consumer_args = (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar, DK, DV,
                      dk_base, stride_dks, dv_base, stride_dvs, alibi_base, n0, shift, seqlen_k, m_lo, m_end, total,
-                     group_size, qk_scale, softmax_scale, window_left)
+                     group_size, qk_scale, cap_log2, softmax_scale, window_left)
     producer_args = (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
                      delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
                      q_first + off_h0 * q_rows[1], q_rows[1], off_h0 * q_cols, q_cols,
@@ -639,9 +650,9 @@ def attn_bwd_dkdv_hopper_kernel(
     if FUSED_DQ and DROPOUT:
         gl.warp_specialize([
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
+                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
+                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
             (_producer, (producer_args, BLOCK_M, STAGES)),
             (_dq_reducer, (reducer_args, BLOCK_M)),
             (_keep_drawer, (drawer_args, 0, BLOCK_M, HALF_N)),
@@ -650,18 +661,18 @@ def attn_bwd_dkdv_hopper_kernel(
     elif FUSED_DQ:
         gl.warp_specialize([
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
+                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
+                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
             (_producer, (producer_args, BLOCK_M, STAGES)),
             (_dq_reducer, (reducer_args, BLOCK_M)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     elif DROPOUT:  # a drawer partition (two warps) per consumer, each with its consumer's keys
         gl.warp_specialize([
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
+                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
+                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
             (_producer, (producer_args, BLOCK_M, STAGES)),
             (_keep_drawer, (drawer_args, 0, BLOCK_M, HALF_N)),
             (_keep_drawer, (drawer_args, 1, BLOCK_M, HALF_N)),
@@ -669,9 +680,9 @@ def attn_bwd_dkdv_hopper_kernel(
     else:
         gl.warp_specialize([
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
+                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
+                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
             (_producer, (producer_args, BLOCK_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -680,11 +691,11 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
               max_seqlen_q: int, max_seqlen_k: int, window_left: int, window_right: int, softcap: float,
               dropout_p: float) -> bool:
     """Whether this kernel covers the call: sm_90 with Gluon, dense rows of any lengths or varlen batches,
-    bf16/fp16, head dim 64 or 128, causal or unmasked, dropout at head dim 128 on dense rows. Anything else keeps
-    the Triton kernel."""
+    bf16/fp16, head dim 64 or 128, causal or unmasked, dropout at head dim 128 on dense rows, softcap without
+    dropout (`_step`). Anything else keeps the Triton kernel."""
     return sm90_dense_ok(q, k, v, dout, varlen=varlen, window_left=window_left, window_right=window_right,
                          softcap=softcap, dropout_p=dropout_p, with_dropout=q.shape[-1] == 128 and not varlen,
-                         with_varlen=True, with_window=True)
+                         with_varlen=True, with_window=True, with_softcap=dropout_p == 0)
 
 
 def register_kv(headdim: int) -> bool:
@@ -751,7 +762,7 @@ def fuses_dq(headdim: int) -> bool:
 def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_scale: float, causal: bool,
                   alibi_slopes=None, dq_accum=None, seed_offset=None, dropout_p: float = 0.0,
                   options: KernelOptions = DEFAULT, stream: int | None = None, varlen=None, site=None,
-                  window_left: int = -1) -> None:
+                  window_left: int = -1, cap_log2: float = 0.0) -> None:
     """dK, dV (written into dk, dv) for a call `supported` accepted. q, dout: (B, Sq, H, D); k, v: (B, Sk, Hk, D);
     lse, delta: (B, H, >= Sq rounded up to BLOCK_M) fp32 (natural-log LSE), LSE +inf and delta 0 past Sq
     (ops.attn_bwd_impl); qk_scale = softmax_scale * log2(e); alibi_slopes: None or float32 (H,) / (B, H).
@@ -760,7 +771,7 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     (ops.draw_seed_offset's int64 (seed, offset)); head dim 128. options: its register_kv, dkdv_consumer_registers,
     head_group and cached_launch. stream: a raw CUDA stream handle to launch on (None: the
     current stream). site: launch.launch's, passed on. window_left >= 0: a causal sliding window (fwd.attn_fwd's),
-    no dropout.
+    no dropout. cap_log2 > 0: softcap (fwd.attn_fwd's), without dropout.
 
     varlen: None for dense rows, or (cu_seqlens_q, cu_seqlens_k, blocks) for a varlen batch (no dropout): q, dout,
     dq_accum (total_q, H, D), k, v, dk, dv (total_k, Hk, D); lse and delta (H, total_q + ALIGN x batch) with
@@ -780,6 +791,9 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     if window_left >= 0 and (dropout_p > 0 or not causal):
         raise ValueError(f"the Gluon dK/dV runs a sliding window only causal and without dropout, got "
                          f"window_left={window_left}, causal={causal}, dropout_p={dropout_p}")
+    if cap_log2 > 0 and dropout_p > 0:
+        raise ValueError(f"the Gluon dK/dV runs softcap without dropout, got cap_log2={cap_log2} with "
+                         f"dropout_p={dropout_p}")
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     fused = dq_accum is not None
@@ -813,10 +827,12 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
         q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, dq_rows, dq_cols,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
-        nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p, max(window_left, 0),
+        nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, cap_log2, softmax_scale, dropout_p,
+        max(window_left, 0),
         CAUSAL=causal, KEY_TAIL=varlen is not None or seqlen_k % BLOCK_N != 0, HEADDIM=headdim, BLOCK_M=block_m,
         HALF_N=HALF_N, STAGES=STAGES, HEAD_GROUP=order,
-        ALIBI=alibi_slopes is not None, REG_KV=register_kv(headdim) if reg_kv is None else reg_kv,
+        ALIBI=alibi_slopes is not None, SOFTCAP=cap_log2 > 0,
+        REG_KV=register_kv(headdim) if reg_kv is None else reg_kv,
         LSE_FIRST=lse_first(headdim),
         CONSUMER_REGS=consumer_registers(headdim, dropout) if consumer_regs is None else consumer_regs,
         PRODUCER_REGS=worker_registers(dropout), FUSED_DQ=fused, DROPOUT=dropout, VARLEN=varlen is not None,

@@ -28,8 +28,8 @@ from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     alibi_bias, allocate_kv_ring, allocate_query_barriers, descriptor, dropout_seed_offset, head_slope_log2, key_floor,
     key_limit, persistent_rounds, persistent_tile, philox_wide, producer_persistent, query_block_of_tile,
-    query_block_program, sm90_dense_ok, stream_kv, tma_load, varlen_lse_start, varlen_query_block_program,
-    window_steps)
+    query_block_program, sm90_dense_ok, softcap_tanh, stream_kv, tma_load, varlen_lse_start,
+    varlen_query_block_program, window_steps)
 from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_rows, keep_from_words
 
 HALF_M = 64  # queries per consumer warpgroup
@@ -82,13 +82,15 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_buf
 
 @gluon.jit
 def _dq_step(i, ring, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta, offs_m,
-             offs_n, shift, key_lim, key_lo, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p,
-             MASKED: gl.constexpr, DROPOUT: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, WINDOW: gl.constexpr):
+             offs_n, shift, key_lim, key_lo, qk_scale, cap_log2, alibi_log2, seed, offset, drop_rows, seqlen_k,
+             dropout_p, MASKED: gl.constexpr, DROPOUT: gl.constexpr, ALIBI: gl.constexpr, SOFTCAP: gl.constexpr,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WINDOW: gl.constexpr):
     """Key block i into dq, from the ring's slot `ring` (= i but in a persistent program). MASKED: keys past each
     row's key_lim (common.key_limit) hidden, and under a WINDOW the keys before its key_lo (common.key_floor; offs_n
     then counts from the program's first key block, common.window_steps). Rows past seqlen_q have an LSE of +inf
-    (ops.attn_bwd_impl pads it), so their P is 0."""
+    (ops.attn_bwd_impl pads it), so their P is 0. SOFTCAP (`common.softcap_tanh`): the scores are
+    cap_log2 * tanh(qk * qk_scale), and dS takes the cap's derivative 1 - tanh^2, folded into P as soon as P is
+    made, so that only P stays live until dP lands."""
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq.type.layout, k_width=2)
     s = ring % STAGES
     phase = (ring // STAGES) & 1
@@ -100,7 +102,12 @@ def _dq_step(i, ring, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, ze
     if DROPOUT:  # integer work under both matmuls
         keep = dropout_keep_acc(seed, offset, drop_rows, i * BLOCK_N, seqlen_k, dropout_p, zero_s)
     qk = warpgroup_mma_wait(1, deps=(qk, ))
-    scores = qk * qk_scale  # log2 units
+    if SOFTCAP:
+        t = softcap_tanh(qk * qk_scale)
+        slope = 1.0 - t * t  # the cap's derivative, for dS
+        scores = cap_log2 * t  # log2 units
+    else:
+        scores = qk * qk_scale  # log2 units
     if ALIBI:
         scores += alibi_bias(alibi_log2, offs_m[:, None] + shift, (i * BLOCK_N + offs_n)[None, :])
     p = gl.exp2(scores - lse_log2[:, None])
@@ -110,6 +117,8 @@ def _dq_step(i, ring, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, ze
             p = gl.where((keys <= key_lim[:, None]) & (keys >= key_lo[:, None]), p, 0.0)
         else:
             p = gl.where(keys <= key_lim[:, None], p, 0.0)
+    if SOFTCAP:  # dS = P (1 - t^2) (dP - delta): P alone carries on
+        p = p * slope
     dp = warpgroup_mma_wait(0, deps=(dp, ))
     if DROPOUT:
         dp = gl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
@@ -122,10 +131,10 @@ def _dq_step(i, ring, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, ze
 
 @gluon.jit
 def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_bar, DQ, LSE, DELTA, dq_base,
-                 stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale, alibi_log2,
+                 stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, cap_log2, softmax_scale, alibi_log2,
                  SEED_OFFSET, drop_rows, seqlen_q, seqlen_k, dropout_p, CAUSAL: gl.constexpr, WG: gl.constexpr,
                  HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 DROPOUT: gl.constexpr, ALIBI: gl.constexpr, window, WINDOW: gl.constexpr):
+                 DROPOUT: gl.constexpr, ALIBI: gl.constexpr, SOFTCAP: gl.constexpr, window, WINDOW: gl.constexpr):
     """Consumer WG's queries of the program's block. window: (masked left-edge steps, the first key block's first
     key, window_left) of common.window_steps under a WINDOW, else unused."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -152,16 +161,18 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_b
         n_lo = 0
         key_lo = key_lim
     dq = _dq_block(dq, q_s, do_s, qdo_bar, 0, 0, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta,
-                   offs_m, offs_n, shift, key_lim, key_lo, n_lo, n_full, n_steps, qk_scale, alibi_log2, seed, offset,
-                   drop_rows, seqlen_k, dropout_p, DROPOUT, ALIBI, BLOCK_N, STAGES, False, WINDOW)
+                   offs_m, offs_n, shift, key_lim, key_lo, n_lo, n_full, n_steps, qk_scale, cap_log2, alibi_log2,
+                   seed, offset, drop_rows, seqlen_k, dropout_p, DROPOUT, ALIBI, SOFTCAP, BLOCK_N, STAGES, False,
+                   WINDOW)
     _dq_store(dq, DQ, dq_base, stride_dqs, m0 + WG * HALF_M, seqlen_q, softmax_scale, q_s.dtype, HEADDIM, HALF_M)
 
 
 @gluon.jit
 def _dq_block(dq, q_s, do_s, qdo_bar, qdo_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2,
-              delta, offs_m, offs_n, shift, key_lim, key_lo, n_lo, n_full, n_steps, qk_scale, alibi_log2, seed,
-              offset, drop_rows, seqlen_k, dropout_p, DROPOUT: gl.constexpr, ALIBI: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ONE_LOOP: gl.constexpr, WINDOW: gl.constexpr):
+              delta, offs_m, offs_n, shift, key_lim, key_lo, n_lo, n_full, n_steps, qk_scale, cap_log2, alibi_log2,
+              seed, offset, drop_rows, seqlen_k, dropout_p, DROPOUT: gl.constexpr, ALIBI: gl.constexpr,
+              SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ONE_LOOP: gl.constexpr,
+              WINDOW: gl.constexpr):
     """A consumer warpgroup's query rows offs_m, once their Q and dO have landed (qdo_bar's phase qdo_phase): the
     key blocks below the diagonal without a mask, then the masked ones, from the K/V ring's slot `ring` on;
     returns dq (unscaled) for `_dq_store`. ONE_LOOP: one loop that picks the masked step per block, for the
@@ -173,26 +184,29 @@ def _dq_block(dq, q_s, do_s, qdo_bar, qdo_phase, ring, k_bufs, v_bufs, ready_k, 
         for i in range(0, n_steps):
             if i < n_full:
                 dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
-                              lse_log2, delta, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, alibi_log2, seed,
-                              offset, drop_rows, seqlen_k, dropout_p, False, DROPOUT, ALIBI, BLOCK_N, STAGES, False)
+                              lse_log2, delta, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, cap_log2, alibi_log2,
+                              seed, offset, drop_rows, seqlen_k, dropout_p, False, DROPOUT, ALIBI, SOFTCAP, BLOCK_N,
+                              STAGES, False)
             else:
                 dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
-                              lse_log2, delta, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, alibi_log2, seed,
-                              offset, drop_rows, seqlen_k, dropout_p, True, DROPOUT, ALIBI, BLOCK_N, STAGES, False)
+                              lse_log2, delta, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, cap_log2, alibi_log2,
+                              seed, offset, drop_rows, seqlen_k, dropout_p, True, DROPOUT, ALIBI, SOFTCAP, BLOCK_N,
+                              STAGES, False)
     else:
         if WINDOW:
             for i in range(0, n_lo):
                 dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s,
-                              lse_log2, delta, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, alibi_log2, seed,
-                              offset, drop_rows, seqlen_k, dropout_p, True, DROPOUT, ALIBI, BLOCK_N, STAGES, WINDOW)
+                              lse_log2, delta, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, cap_log2, alibi_log2,
+                              seed, offset, drop_rows, seqlen_k, dropout_p, True, DROPOUT, ALIBI, SOFTCAP, BLOCK_N,
+                              STAGES, WINDOW)
         for i in range(n_lo, n_full):
             dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2,
-                          delta, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, alibi_log2, seed, offset, drop_rows,
-                          seqlen_k, dropout_p, False, DROPOUT, ALIBI, BLOCK_N, STAGES, WINDOW)
+                          delta, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, cap_log2, alibi_log2, seed, offset,
+                          drop_rows, seqlen_k, dropout_p, False, DROPOUT, ALIBI, SOFTCAP, BLOCK_N, STAGES, WINDOW)
         for i in range(n_full, n_steps):
             dq = _dq_step(i, ring + i, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2,
-                          delta, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, alibi_log2, seed, offset, drop_rows,
-                          seqlen_k, dropout_p, True, DROPOUT, ALIBI, BLOCK_N, STAGES, WINDOW)
+                          delta, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, cap_log2, alibi_log2, seed, offset,
+                          drop_rows, seqlen_k, dropout_p, True, DROPOUT, ALIBI, SOFTCAP, BLOCK_N, STAGES, WINDOW)
     return dq
 
 
@@ -211,10 +225,10 @@ def _dq_store(dq, DQ, dq_base, stride_dqs, row0, seqlen_q, softmax_scale, dtype:
 def _dq_consumer_persistent(q_bufs, do_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_ready, qdo_empty, DQ,
                             LSE, DELTA, SEED_OFFSET, ALIBI_SLOPES, stride_dqb, stride_dqs, stride_dqh,
                             stride_lse_b, stride_lse_h, stride_alibi_b, num_tiles, nheads, group_size, seqlen_q,
-                            seqlen_k, qk_scale, softmax_scale, dropout_p, WG: gl.constexpr, CAUSAL: gl.constexpr,
-                            HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            seqlen_k, qk_scale, cap_log2, softmax_scale, dropout_p, WG: gl.constexpr,
+                            CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, DROPOUT: gl.constexpr,
-                            ALIBI: gl.constexpr):
+                            ALIBI: gl.constexpr, SOFTCAP: gl.constexpr):
     """`_dq_consumer` over this program's tiles, the producer's order; releases Q and dO (`qdo_empty`) after
     the tile's last step, before its store."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -246,8 +260,8 @@ def _dq_consumer_persistent(q_bufs, do_bufs, k_bufs, v_bufs, ready_k, ready_v, e
             dq = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
             dq = _dq_block(dq, q_s, do_s, qdo_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs, ready_k,
                            ready_v, empty, zero_s, lse_log2, delta, offs_m, offs_n, shift, key_lim, key_lim, 0,
-                           n_full, n_steps, qk_scale, alibi_log2, seed, offset, drop_rows, seqlen_k, dropout_p,
-                           DROPOUT, ALIBI, BLOCK_N, STAGES, True, False)
+                           n_full, n_steps, qk_scale, cap_log2, alibi_log2, seed, offset, drop_rows, seqlen_k,
+                           dropout_p, DROPOUT, ALIBI, SOFTCAP, BLOCK_N, STAGES, True, False)
             mbarrier.arrive(qdo_empty.index(qb))
             _dq_store(dq, DQ, off_b * stride_dqb + off_h * stride_dqh, stride_dqs, m0 + WG * HALF_M, seqlen_q,
                       softmax_scale, q_s.dtype, HEADDIM, HALF_M)
@@ -259,9 +273,9 @@ def _dq_consumer_persistent(q_bufs, do_bufs, k_bufs, v_bufs, ready_k, ready_v, e
 def _persistent_dq(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, SEED_OFFSET, ALIBI_SLOPES, q_rows, q_cols,
                    do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, stride_dqb, stride_dqs, stride_dqh,
                    stride_lse_b, stride_lse_h, stride_alibi_b, num_tiles, nheads, group_size, seqlen_q,
-                   seqlen_k, qk_scale, softmax_scale, dropout_p, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr,
+                   seqlen_k, qk_scale, cap_log2, softmax_scale, dropout_p, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr,
                    HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr,
-                   DROPOUT: gl.constexpr, ALIBI: gl.constexpr):
+                   DROPOUT: gl.constexpr, ALIBI: gl.constexpr, SOFTCAP: gl.constexpr):
     """The PERSISTENT kernel body: two buffers of Q and dO, the K/V ring, the three partitions looping over
     the program's tiles."""
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
@@ -273,13 +287,13 @@ def _persistent_dq(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, SEED_OFFSET,
         (_dq_consumer_persistent, (q_bufs, do_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_ready,
                                    qdo_empty, DQ, LSE, DELTA, SEED_OFFSET, ALIBI_SLOPES, stride_dqb, stride_dqs,
                                    stride_dqh, stride_lse_b, stride_lse_h, stride_alibi_b, num_tiles, nheads,
-                                   group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p, 0, CAUSAL,
-                                   HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, DROPOUT, ALIBI)),
+                                   group_size, seqlen_q, seqlen_k, qk_scale, cap_log2, softmax_scale, dropout_p, 0,
+                                   CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, DROPOUT, ALIBI, SOFTCAP)),
         (_dq_consumer_persistent, (q_bufs, do_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_ready,
                                    qdo_empty, DQ, LSE, DELTA, SEED_OFFSET, ALIBI_SLOPES, stride_dqb, stride_dqs,
                                    stride_dqh, stride_lse_b, stride_lse_h, stride_alibi_b, num_tiles, nheads,
-                                   group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p, 1, CAUSAL,
-                                   HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, DROPOUT, ALIBI)),
+                                   group_size, seqlen_q, seqlen_k, qk_scale, cap_log2, softmax_scale, dropout_p, 1,
+                                   CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, DROPOUT, ALIBI, SOFTCAP)),
         (producer_persistent, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, ready_k,
                                ready_v, empty, qdo_ready, qdo_empty, q_rows, q_cols, do_rows, do_cols,
                                k_rows, k_cols, v_rows, v_cols, num_tiles, nheads, group_size, seqlen_q,
@@ -293,9 +307,9 @@ def attn_bwd_dq_hopper_kernel(
     CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS,  # varlen: (batch + 1,) int32 each, ops.varlen_blocks's (2, n)
     q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
     stride_dqb, stride_dqs, stride_dqh, stride_lse_b, stride_lse_h, stride_alibi_b,
-    num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p, window_left,
+    num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2, softmax_scale, dropout_p, window_left,
     CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, DROPOUT: gl.constexpr, ALIBI: gl.constexpr,
+    STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, DROPOUT: gl.constexpr, ALIBI: gl.constexpr, SOFTCAP: gl.constexpr,
     PERSISTENT: gl.constexpr, VARLEN: gl.constexpr, WINDOW: gl.constexpr,
 ):
     # WINDOW: a causal sliding window of window_left keys (common.window_steps), on the grid of one program per block
@@ -305,8 +319,8 @@ def attn_bwd_dq_hopper_kernel(
         _persistent_dq(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, SEED_OFFSET, ALIBI_SLOPES, q_rows, q_cols,
                        do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, stride_dqb, stride_dqs, stride_dqh,
                        stride_lse_b, stride_lse_h, stride_alibi_b, num_tiles, nheads, group_size, seqlen_q,
-                       seqlen_k, qk_scale, softmax_scale, dropout_p, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES,
-                       HEAD_GROUP, DROPOUT, ALIBI)
+                       seqlen_k, qk_scale, cap_log2, softmax_scale, dropout_p, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES,
+                       HEAD_GROUP, DROPOUT, ALIBI, SOFTCAP)
         return
     if VARLEN:  # the views' rows are the packed tokens: a sequence starts at its cu_seqlens entry
         gl.static_assert(not DROPOUT, "the varlen form draws no dropout")
@@ -344,13 +358,13 @@ def attn_bwd_dq_hopper_kernel(
     alibi_log2 = head_slope_log2(ALIBI_SLOPES, off_b * stride_alibi_b + off_h, ALIBI)
     gl.warp_specialize([
         (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_bar, DQ, LSE, DELTA,
-                        dq_base, stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale,
+                        dq_base, stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, cap_log2, softmax_scale,
                         alibi_log2, SEED_OFFSET, drop_rows, seqlen_q, seqlen_k, dropout_p, CAUSAL, 0, HEADDIM,
-                        HALF_M, BLOCK_N, STAGES, DROPOUT, ALIBI, window, WINDOW)),
+                        HALF_M, BLOCK_N, STAGES, DROPOUT, ALIBI, SOFTCAP, window, WINDOW)),
         (_dq_consumer, (q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_bar, DQ, LSE, DELTA,
-                        dq_base, stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, softmax_scale,
+                        dq_base, stride_dqs, lse_base, m0, shift, n_full, n_steps, qk_scale, cap_log2, softmax_scale,
                         alibi_log2, SEED_OFFSET, drop_rows, seqlen_q, seqlen_k, dropout_p, CAUSAL, 1, HEADDIM,
-                        HALF_M, BLOCK_N, STAGES, DROPOUT, ALIBI, window, WINDOW)),
+                        HALF_M, BLOCK_N, STAGES, DROPOUT, ALIBI, SOFTCAP, window, WINDOW)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v,
                         empty, qdo_bar,
                         q_first + off_h * q_rows[1] + m0, off_h * q_cols,
@@ -364,22 +378,24 @@ def attn_bwd_dq_hopper_kernel(
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, varlen: bool,
               max_seqlen_q: int, max_seqlen_k: int, window_left: int, window_right: int, softcap: float,
               dropout_p: float) -> bool:
-    """common.sm90_dense_ok, with dropout on dense rows, any lengths, varlen batches without dropout (the
+    """common.sm90_dense_ok, with dropout on dense rows, any lengths, varlen batches without dropout, softcap (the
     forward's bounds: fwd.supported)."""
     return sm90_dense_ok(q, k, v, dout, varlen=varlen, window_left=window_left, window_right=window_right,
                          softcap=softcap, dropout_p=dropout_p, with_dropout=not varlen, with_varlen=True,
-                         with_window=True)
+                         with_window=True, with_softcap=True)
 
 
 def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: float, causal: bool,
                 seed_offset=None, dropout_p: float = 0.0, alibi_slopes=None, beside_dkdv: bool = False,
-                options: KernelOptions = DEFAULT, varlen=None, site=None, window_left: int = -1) -> None:
+                options: KernelOptions = DEFAULT, varlen=None, site=None, window_left: int = -1,
+                cap_log2: float = 0.0) -> None:
     """dQ (written into dq, (B, Sq, H, D)) for a call `supported` accepted; lse, delta: (B, H, >= Sq rounded up to
     BLOCK_M) fp32, LSE +inf and delta 0 past Sq (ops.attn_bwd_impl);
     seed_offset: the forward's (2,) int64 (ops.draw_seed_offset) when dropout_p > 0; alibi_slopes: None or float32
     (H,) / (B, H); beside_dkdv: the dK/dV kernel runs at the same time on another stream (config.persistent_grid);
     options: its persistent_dq, head_group and cached_launch. site: launch.launch's, passed on. window_left >= 0: a
-    causal sliding window (fwd.attn_fwd's), one program per query block, no dropout.
+    causal sliding window (fwd.attn_fwd's), one program per query block, no dropout. cap_log2 > 0: softcap
+    (fwd.attn_fwd's).
 
     varlen: None for dense rows, or (cu_seqlens_q, cu_seqlens_k, blocks) for a varlen batch (no dropout): q, dout,
     dq (total_q, H, D), k, v (total_k, Hk, D), lse and delta (H, total_q + ALIGN x batch) padded per sequence as
@@ -423,9 +439,10 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
         cu_seqlens_q, cu_seqlens_k, blocks,
         q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,
         dq.stride(0), dq.stride(1), dq.stride(2), lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
-        num_tiles, nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, softmax_scale, dropout_p,
+        num_tiles, nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, cap_log2, softmax_scale, dropout_p,
         max(window_left, 0), CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
-        HEAD_GROUP=order, DROPOUT=dropout_p > 0, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
+        HEAD_GROUP=order, DROPOUT=dropout_p > 0, ALIBI=alibi_slopes is not None,
+        SOFTCAP=cap_log2 > 0, PERSISTENT=persistent,
         VARLEN=varlen is not None, WINDOW=window,
         num_warps=4, maxnreg=MAXNREG, cached_launch=options.cached_launch, site=site,
     )

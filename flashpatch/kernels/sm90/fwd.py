@@ -9,13 +9,13 @@ warpgroups per program (three at head dim 64: CONSUMERS_BY_HEADDIM), synchronise
                          (`empty`, one arrival per consumer) once P V is done.
 
 No consumer waits for another, so one's softmax runs under the others' matmuls (FA3's intra-warpgroup skew on top of
-that measured slower). Causal masks are bottom-right aligned; the steps that cross the diagonal run a masked copy of
-the step, the others none. ALiBi slopes, when given (ALIBI), add -slope * |i + Sk - Sq - j| to every step's scores
-(`alibi_bias`). LSE is stored in natural log, +inf for a row that sees no key (its output is 0), as the Triton
-forward does (triton/forward.py), so both backward kernels take it. Scope: `supported`. Lengths need not divide the
-tiles: the 2-D TMA views run on past a sequence's end into the next head's or batch's rows (or zeros past the
-tensor), so a last query block computes rows that its masked stores skip, and a last key block's keys past seqlen_k
-are masked like a causal diagonal (common.key_limit).
+that measured slower). Causal masks are bottom-right aligned; the steps that cross the diagonal run a masked copy of the
+step, the others none. Softcap (SOFTCAP) makes the scores softcap * tanh(s / softcap) (`common.softcap_tanh`); ALiBi
+slopes, when given (ALIBI), then add -slope * |i + Sk - Sq - j| to every step's scores (`alibi_bias`). LSE is stored in
+natural log, +inf for a row that sees no key (its output is 0), as the Triton forward does (triton/forward.py), so both
+backward kernels take it. Scope: `supported`. Lengths need not divide the tiles: the 2-D TMA views run on past a
+sequence's end into the next head's or batch's rows (or zeros past the tensor), so a last query block computes rows that
+its masked stores skip, and a last key block's keys past seqlen_k are masked like a causal diagonal (common.key_limit).
 
 A persistent grid (`_persistent_fwd`, where config.persistent_grid chooses it: head dim 128) launches one program per
 SM instead, each looping over query blocks, so that a block's Q load and first K/V blocks run under the previous
@@ -47,9 +47,9 @@ from flashpatch.kernels.launch import cdiv, launch
 from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     allocate_keep_ring, allocate_kv_ring, allocate_query_barriers, alibi_bias, carry_addend, carry_shift_in_ptx,
-    descriptor, dropout_seed_offset, head_slope_log2, kept_dims, key_limit, persistent_rounds, persistent_tile,
-    key_floor, philox_wide, producer_persistent, query_block_of_tile, query_block_program, sm90_dense_ok, stream_kv,
-    tma_load, varlen_query_block_program, window_steps)
+    descriptor, dropout_seed_offset, head_slope_log2, kept_dims, key_floor, key_limit, persistent_rounds,
+    persistent_tile, philox_wide, producer_persistent, query_block_of_tile, query_block_program, sm90_dense_ok,
+    softcap_tanh, stream_kv, tma_load, varlen_query_block_program, window_steps)
 from flashpatch.kernels.sm90.schedule import causal_schedule_tensor
 from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_rows
 
@@ -187,9 +187,9 @@ def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready
 
 @gluon.jit
 def _fwd_step(i, ring, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
-              shift, key_lim, key_lo, qk_scale, alibi_log2, MASKED: gl.constexpr, ALIBI: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr, keep_parts, WG: gl.constexpr,
-              DROPOUT: gl.constexpr, WINDOW: gl.constexpr):
+              shift, key_lim, key_lo, qk_scale, cap_log2, alibi_log2, MASKED: gl.constexpr, ALIBI: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr, keep_parts,
+              WG: gl.constexpr, DROPOUT: gl.constexpr, WINDOW: gl.constexpr):
     """Key block i into (acc, m_i, l_i), from the ring's slot `ring` (= i but in a persistent program); offs_n:
     the block's key indices relative to its start (plus the program's first key, `window_steps`); key_lo:
     common.key_floor's, which MASKED steps apply under a WINDOW. DROPOUT: the step's keep words from consumer WG's
@@ -207,8 +207,8 @@ def _fwd_step(i, ring, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, emp
         mbarrier.wait(keep_full.index(keep_slot), (i // KEEP_SLOTS) & 1)
         words = keep_bufs.index(keep_slot).load(FWD_KEEP_WORDS)
     qk = warpgroup_mma_wait(0, deps=(qk, ))  # (HALF_M, BLOCK_N)
-    p, m_new, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, key_lo, qk_scale,
-                                           alibi_log2, MASKED, ALIBI, BLOCK_N, FOLD, WINDOW)
+    p, m_new, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, key_lo, qk_scale, cap_log2,
+                                           alibi_log2, MASKED, ALIBI, BLOCK_N, FOLD, SOFTCAP, WINDOW)
     if DROPOUT:
         p = gl.where(_fwd_keep_tile(words, p), p, 0.0)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
@@ -222,22 +222,27 @@ def _fwd_step(i, ring, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, emp
 
 
 @gluon.jit
-def _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, key_lo, qk_scale, alibi_log2,
+def _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, key_lo, qk_scale, cap_log2, alibi_log2,
                     MASKED: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr,
-                    WINDOW: gl.constexpr):
+                    SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
     """Scores of key block i into (P, new running max, new running sum, rescale factor of the old sums); the
     running max is in log2 units. MASKED: keys past each row's key_lim (common.key_limit) hidden, and under a
     WINDOW the keys before its key_lo (common.key_floor).
 
-    FOLD (ignored with ALiBi, whose bias is added to the scaled scores): the row max is taken over the raw
+    SOFTCAP: the scores are cap_log2 * tanh(qk * qk_scale) (`common.softcap_tanh`).
+
+    FOLD (ignored with ALiBi or SOFTCAP, which change the scaled scores): the row max is taken over the raw
     scores and scaled once per row, and the scale goes into the exponent's subtraction as one fused
     multiply-add per score, instead of a multiply per score and then a subtraction (qk_scale >= 0, which
     validation ensures, keeps the max where it was)."""
-    if FOLD and not ALIBI:
+    if FOLD and not ALIBI and not SOFTCAP:
         scores = qk  # raw; scaled inside the max and the exponent below
         scale = qk_scale
     else:
-        scores = qk * qk_scale  # log2 units
+        if SOFTCAP:
+            scores = cap_log2 * softcap_tanh(qk * qk_scale)  # log2 units
+        else:
+            scores = qk * qk_scale  # log2 units
         if ALIBI:
             scores += alibi_bias(alibi_log2, offs_m[:, None] + shift, (i * BLOCK_N + offs_n)[None, :])
         scale = 1.0
@@ -256,10 +261,10 @@ def _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, key_lo, qk_
 
 @gluon.jit
 def _fwd_consumer(q_s, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base, stride_os, lse_base,
-                  m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q, seqlen_k, CAUSAL: gl.constexpr,
+                  m0, shift, n_full, n_steps, qk_scale, cap_log2, alibi_log2, seqlen_q, seqlen_k, CAUSAL: gl.constexpr,
                   WG: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr, keep_parts, keep_fraction,
-                  DROPOUT: gl.constexpr, window, WINDOW: gl.constexpr):
+                  STAGES: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr, keep_parts,
+                  keep_fraction, DROPOUT: gl.constexpr, window, WINDOW: gl.constexpr):
     """Consumer WG's queries of the program's block; with DROPOUT, keep_parts and keep_fraction = 1 - p
     (`_fwd_step`, `_fwd_epilogue`), else unused. window: (masked left-edge steps, the first key block's first key,
     window_left) of common.window_steps under a WINDOW, else unused."""
@@ -278,17 +283,18 @@ def _fwd_consumer(q_s, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o
         n_lo = 0
         key_lo = key_lim
     acc, m_i, l_i = _fwd_block(q_s, q_bar, 0, 0, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
-                               shift, key_lim, key_lo, n_lo, n_full, n_steps, qk_scale, alibi_log2, HEADDIM, HALF_M,
-                               BLOCK_N, STAGES, ALIBI, FOLD, keep_parts, WG, DROPOUT, WINDOW)
+                               shift, key_lim, key_lo, n_lo, n_full, n_steps, qk_scale, cap_log2, alibi_log2, HEADDIM,
+                               HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP, keep_parts, WG, DROPOUT, WINDOW)
     _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, m0 + WG * HALF_M, seqlen_q,
                   q_s.dtype, HEADDIM, HALF_M, keep_fraction, DROPOUT)
 
 
 @gluon.jit
 def _fwd_block(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift,
-               key_lim, key_lo, n_lo, n_full, n_steps, qk_scale, alibi_log2, HEADDIM: gl.constexpr,
+               key_lim, key_lo, n_lo, n_full, n_steps, qk_scale, cap_log2, alibi_log2, HEADDIM: gl.constexpr,
                HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr,
-               FOLD: gl.constexpr, keep_parts, WG: gl.constexpr, DROPOUT: gl.constexpr, WINDOW: gl.constexpr):
+               FOLD: gl.constexpr, SOFTCAP: gl.constexpr, keep_parts, WG: gl.constexpr, DROPOUT: gl.constexpr,
+               WINDOW: gl.constexpr):
     """A consumer warpgroup's HALF_M query rows offs_m in a program of one query block, once their Q has landed
     (q_bar's phase q_phase): the key blocks below the diagonal without a mask, then the masked ones, read from the
     K/V ring from slot `ring` on; under a WINDOW, the n_lo blocks on its left edge masked before them. Returns
@@ -304,24 +310,24 @@ def _fwd_block(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empt
     if WINDOW:
         for i in range(0, n_lo):
             acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
-                                      zero_s, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, alibi_log2, True,
-                                      ALIBI, BLOCK_N, STAGES, FOLD, keep_parts, WG, DROPOUT, WINDOW)
+                                      zero_s, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, cap_log2, alibi_log2,
+                                      True, ALIBI, BLOCK_N, STAGES, FOLD, SOFTCAP, keep_parts, WG, DROPOUT, WINDOW)
     for i in range(n_lo, n_full):
         acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
-                                  zero_s, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, alibi_log2, False, ALIBI,
-                                  BLOCK_N, STAGES, FOLD, keep_parts, WG, DROPOUT, WINDOW)
+                                  zero_s, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, cap_log2, alibi_log2,
+                                  False, ALIBI, BLOCK_N, STAGES, FOLD, SOFTCAP, keep_parts, WG, DROPOUT, WINDOW)
     for i in range(n_full, n_steps):
         acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
-                                  zero_s, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, alibi_log2, True, ALIBI,
-                                  BLOCK_N, STAGES, FOLD, keep_parts, WG, DROPOUT, WINDOW)
+                                  zero_s, offs_m, offs_n, shift, key_lim, key_lo, qk_scale, cap_log2, alibi_log2,
+                                  True, ALIBI, BLOCK_N, STAGES, FOLD, SOFTCAP, keep_parts, WG, DROPOUT, WINDOW)
     return acc, m_i, l_i
 
 
 @gluon.jit
 def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
-                         shift, key_lim, n_full, n_steps, qk_scale, alibi_log2, HEADDIM: gl.constexpr,
+                         shift, key_lim, n_full, n_steps, qk_scale, cap_log2, alibi_log2, HEADDIM: gl.constexpr,
                          HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr,
-                         FOLD: gl.constexpr):
+                         FOLD: gl.constexpr, SOFTCAP: gl.constexpr):
     """`_fwd_block` (no dropout) for a persistent program's consumer, software-pipelined by one matmul: step i
     issues block i - 1's P V and then block i's S = Q Kᵀ and waits for both at once, so the tensor core runs them
     back to back instead of idling while the warpgroup waits for P V, releases the slot, and issues the next S. P is
@@ -347,7 +353,8 @@ def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, rea
                            is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
         p_op, acc, m_i, l_i = _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, 0, n_full, shift, key_lim,
-                                                 qk_scale, alibi_log2, q_s.dtype, a_layout, ALIBI, BLOCK_N, FOLD)
+                                                 qk_scale, cap_log2, alibi_log2, q_s.dtype, a_layout, ALIBI, BLOCK_N,
+                                                 FOLD, SOFTCAP)
     for i in range(1, n_steps):
         prev = (ring + i - 1) % STAGES
         mbarrier.wait(ready_v.index(prev), ((ring + i - 1) // STAGES) & 1)
@@ -358,7 +365,8 @@ def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, rea
         qk, acc = warpgroup_mma_wait(0, deps=(qk, pv))
         mbarrier.arrive(empty.index(prev))
         p_op, acc, m_i, l_i = _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_full, shift, key_lim,
-                                                 qk_scale, alibi_log2, q_s.dtype, a_layout, ALIBI, BLOCK_N, FOLD)
+                                                 qk_scale, cap_log2, alibi_log2, q_s.dtype, a_layout, ALIBI, BLOCK_N,
+                                                 FOLD, SOFTCAP)
     if n_steps > 0:  # the last block's P V
         last = (ring + n_steps - 1) % STAGES
         mbarrier.wait(ready_v.index(last), ((ring + n_steps - 1) // STAGES) & 1)
@@ -369,17 +377,17 @@ def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, rea
 
 
 @gluon.jit
-def _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_full, shift, key_lim, qk_scale, alibi_log2,
+def _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_full, shift, key_lim, qk_scale, cap_log2, alibi_log2,
                        dtype: gl.constexpr, a_layout: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
-                  FOLD: gl.constexpr):
+                  FOLD: gl.constexpr, SOFTCAP: gl.constexpr):
     """`_fwd_block_pipelined`'s step after its wait: block i's scores into P (the next P V's A operand: dtype,
     a_layout), masked past the first n_full blocks, and acc rescaled by the running max's change."""
     if i < n_full:
         p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, key_lim, qk_scale,
-                                             alibi_log2, False, ALIBI, BLOCK_N, FOLD, False)
+                                             cap_log2, alibi_log2, False, ALIBI, BLOCK_N, FOLD, SOFTCAP, False)
     else:
         p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, key_lim, qk_scale,
-                                             alibi_log2, True, ALIBI, BLOCK_N, FOLD, False)
+                                             cap_log2, alibi_log2, True, ALIBI, BLOCK_N, FOLD, SOFTCAP, False)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
     return gl.convert_layout(p.to(dtype), a_layout), acc, m_i, l_i
 
@@ -407,11 +415,11 @@ def _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, ro
 @gluon.jit
 def _fwd_consumer_persistent(q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
                              ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
-                             stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
+                             stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2,
                              SCHEDULE, schedule_rounds, WG: gl.constexpr, CAUSAL: gl.constexpr,
                              HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr,
-                             FOLD: gl.constexpr):
+                             FOLD: gl.constexpr, SOFTCAP: gl.constexpr):
     """`_fwd_consumer` over this program's tiles, the producer's order; releases Q (`q_empty`) after the
     tile's last step, before its epilogue."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -434,8 +442,8 @@ def _fwd_consumer_persistent(q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_
             acc, m_i, l_i = _fwd_block_pipelined(q_s, q_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs,
                                                  ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift, key_lim,
                                                  n_full,
-                                                 n_steps, qk_scale, alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES,
-                                                 ALIBI, FOLD)
+                                                 n_steps, qk_scale, cap_log2, alibi_log2, HEADDIM, HALF_M, BLOCK_N,
+                                                 STAGES, ALIBI, FOLD, SOFTCAP)
             mbarrier.arrive(q_empty.index(qb))
             _fwd_epilogue(acc, m_i, l_i, O, LSE, off_b * stride_ob + off_h * stride_oh, stride_os,
                           off_b * stride_lse_b + off_h * stride_lse_h, offs_m, m0 + WG * HALF_M, seqlen_q,
@@ -449,10 +457,11 @@ def attn_fwd_hopper_kernel(
     q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, SEED_OFFSET, SCHEDULE, CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS,
     q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
-    num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, dropout_p, schedule_rounds, window_left,
+    num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2, dropout_p, schedule_rounds, window_left,
     CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, PERSISTENT: gl.constexpr,
-    FOLD: gl.constexpr, CONSUMERS: gl.constexpr, DROPOUT: gl.constexpr, DRAWER_WARPS: gl.constexpr,
+    FOLD: gl.constexpr, SOFTCAP: gl.constexpr, CONSUMERS: gl.constexpr, DROPOUT: gl.constexpr,
+    DRAWER_WARPS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr, VARLEN: gl.constexpr, WINDOW: gl.constexpr,
 ):
     # WINDOW: a causal sliding window of window_left keys (common.window_steps), on the grid of one program per block
@@ -462,8 +471,8 @@ def attn_fwd_hopper_kernel(
         gl.static_assert(not VARLEN, "the varlen form runs one program per block")
         _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols, k_rows, k_cols, v_rows,
                         v_cols, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
-                        num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, SCHEDULE, schedule_rounds,
-                        CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI, FOLD)
+                        num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2, SCHEDULE,
+                        schedule_rounds, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI, FOLD, SOFTCAP)
         return
     if VARLEN:  # the views' rows are the packed tokens: a sequence starts at its cu_seqlens entry
         gl.static_assert(not DROPOUT, "the varlen form draws no dropout")
@@ -508,12 +517,14 @@ def attn_fwd_hopper_kernel(
                        seqlen_k, m0, n_steps)
         gl.warp_specialize([
             (_fwd_consumer, (q_smem.index(0).slice(0, HALF_M), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O,
-                             LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2,
-                             seqlen_q, seqlen_k, CAUSAL, 0, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD,
+                             LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, cap_log2,
+                             alibi_log2,
+                             seqlen_q, seqlen_k, CAUSAL, 0, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP,
                              keep_parts, 1.0 - dropout_p, True, 0, False)),
             (_fwd_consumer, (q_smem.index(0).slice(HALF_M, HALF_M), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
-                             O, LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2,
-                             seqlen_q, seqlen_k, CAUSAL, 1, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD,
+                             O, LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, cap_log2,
+                             alibi_log2,
+                             seqlen_q, seqlen_k, CAUSAL, 1, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP,
                              keep_parts, 1.0 - dropout_p, True, 0, False)),
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
                              q_row, off_h * q_cols, k_row, off_hk * k_cols, v_row, off_hk * v_cols, n_steps,
@@ -524,16 +535,16 @@ def attn_fwd_hopper_kernel(
     elif CONSUMERS == 3:  # head dim 64 (CONSUMERS_BY_HEADDIM): 13 warps share the register file
         gl.warp_specialize([
             (_fwd_consumer, (q_smem.index(0), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base,
-                             stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q,
-                             seqlen_k, CAUSAL, 0, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False,
+                             stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, cap_log2, alibi_log2, seqlen_q,
+                             seqlen_k, CAUSAL, 0, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP, 0, 1.0, False,
                              window, WINDOW)),
             (_fwd_consumer, (q_smem.index(1), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base,
-                             stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q,
-                             seqlen_k, CAUSAL, 1, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False,
+                             stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, cap_log2, alibi_log2, seqlen_q,
+                             seqlen_k, CAUSAL, 1, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP, 0, 1.0, False,
                              window, WINDOW)),
             (_fwd_consumer, (q_smem.index(2), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o_base,
-                             stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2, seqlen_q,
-                             seqlen_k, CAUSAL, 2, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0, False,
+                             stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, cap_log2, alibi_log2, seqlen_q,
+                             seqlen_k, CAUSAL, 2, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP, 0, 1.0, False,
                              window, WINDOW)),
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
                              q_row, off_h * q_cols, k_row, off_hk * k_cols, v_row, off_hk * v_cols, n_steps,
@@ -542,13 +553,15 @@ def attn_fwd_hopper_kernel(
     else:
         gl.warp_specialize([
             (_fwd_consumer, (q_smem.index(0).slice(0, HALF_M), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O,
-                             LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2,
-                             seqlen_q, seqlen_k, CAUSAL, 0, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0,
-                             False, window, WINDOW)),
+                             LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, cap_log2,
+                             alibi_log2,
+                             seqlen_q, seqlen_k, CAUSAL, 0, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP, 0,
+                             1.0, False, window, WINDOW)),
             (_fwd_consumer, (q_smem.index(0).slice(HALF_M, HALF_M), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
-                             O, LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, alibi_log2,
-                             seqlen_q, seqlen_k, CAUSAL, 1, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, 0, 1.0,
-                             False, window, WINDOW)),
+                             O, LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, cap_log2,
+                             alibi_log2,
+                             seqlen_q, seqlen_k, CAUSAL, 1, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP, 0,
+                             1.0, False, window, WINDOW)),
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar,
                              q_row, off_h * q_cols, k_row, off_hk * k_cols, v_row, off_hk * v_cols, n_steps,
                              BLOCK_N, STAGES, Q_TILES)),
@@ -558,9 +571,10 @@ def attn_fwd_hopper_kernel(
 @gluon.jit
 def _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,
                     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
-                    num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, SCHEDULE, schedule_rounds,
+                    num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2, SCHEDULE, schedule_rounds,
                     CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr):
+                    STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr,
+                    SOFTCAP: gl.constexpr):
     """The PERSISTENT kernel body: two Q buffers (the next tile's Q loads under this one's steps), the K/V
     ring, and the same three partitions looping over the program's tiles (`persistent_tile`: SCHEDULE's, or
     the closed form where it is None)."""
@@ -572,13 +586,13 @@ def _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols
         (_fwd_consumer_persistent, (q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
                                     ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
                                     stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
-                                    SCHEDULE, schedule_rounds, 0, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES,
-                                    HEAD_GROUP, ALIBI, FOLD)),
+                                    cap_log2, SCHEDULE, schedule_rounds, 0, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES,
+                                    HEAD_GROUP, ALIBI, FOLD, SOFTCAP)),
         (_fwd_consumer_persistent, (q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
                                     ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
                                     stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
-                                    SCHEDULE, schedule_rounds, 1, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES,
-                                    HEAD_GROUP, ALIBI, FOLD)),
+                                    cap_log2, SCHEDULE, schedule_rounds, 1, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES,
+                                    HEAD_GROUP, ALIBI, FOLD, SOFTCAP)),
         (producer_persistent, (q_desc, None, k_desc, v_desc, q_bufs, None, k_bufs, v_bufs, ready_k, ready_v,
                                empty, q_ready, q_empty, q_rows, q_cols, None, None, k_rows, k_cols, v_rows,
                                v_cols, num_tiles, nheads, group_size, seqlen_q, seqlen_k, SCHEDULE,
@@ -604,7 +618,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool
     that are never stored, and a last key block past seqlen_k is masked (common.key_limit)."""
     return sm90_dense_ok(q, k, v, varlen=varlen, window_left=window_left, window_right=window_right, softcap=softcap,
                          dropout_p=dropout_p, with_dropout=q.shape[-1] == 128 and not varlen, with_varlen=True,
-                         with_window=True)
+                         with_window=True, with_softcap=True)
 
 
 def varlen_block_rows(headdim: int) -> int:
@@ -615,13 +629,13 @@ def varlen_block_rows(headdim: int) -> int:
 
 def attn_fwd_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, blocks, max_seqlen_k: int, qk_scale: float,
                     causal: bool, alibi_slopes=None, fold: bool = False, options: KernelOptions = DEFAULT,
-                    site=None, window_left: int = -1) -> None:
+                    site=None, window_left: int = -1, cap_log2: float = 0.0) -> None:
     """`attn_fwd` for a varlen batch (`supported`, no dropout): out (total_q, H, D) and lse (H, total_q), q:
     (total_q, H, D), k, v: (total_k, Hk, D), cu_seqlens_q / _k: (batch + 1,) int32, blocks: ops.varlen_blocks's
     (2, n) table of (sequence, block) pairs in blocks of `varlen_block_rows` queries. One program per head and pair
     (no persistent grid); the packed rows are the TMA views' rows, a sequence's tiles start at its cu_seqlens
     entry, and a tile past its end reads the next sequence's rows, masked like a dense row's last tile. site:
-    launch.launch's, passed on. window_left >= 0: a causal sliding window (`attn_fwd`)."""
+    launch.launch's, passed on. window_left >= 0: a causal sliding window; cap_log2 > 0: softcap (`attn_fwd`)."""
     if window_left >= 0 and not causal:
         raise ValueError(f"the Gluon forward runs a sliding window only with the causal mask, got "
                          f"window_left={window_left} without it")
@@ -636,9 +650,10 @@ def attn_fwd_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, blocks, max_s
         attn_fwd_hopper_kernel, grid, q_desc, k_desc, v_desc, out, lse, alibi_slopes, None, None, cu_seqlens_q,
         cu_seqlens_k, blocks, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, 0, out.stride(0), out.stride(1), 0,
         lse.stride(0), alibi_batch_stride(alibi_slopes), grid[0], nheads, nheads // nheads_k, 0, max_seqlen_k,
-        qk_scale, 0.0, 0, max(window_left, 0),
+        qk_scale, cap_log2, 0.0, 0, max(window_left, 0),
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES, HEAD_GROUP=1,
-        ALIBI=alibi_slopes is not None, PERSISTENT=False, FOLD=fold, CONSUMERS=consumers, DROPOUT=False,
+        ALIBI=alibi_slopes is not None, PERSISTENT=False, FOLD=fold, SOFTCAP=cap_log2 > 0,
+        CONSUMERS=consumers, DROPOUT=False,
         DRAWER_WARPS=DRAWER_WARPS, CONSUMER_REGS=0, WORKER_REGS=0, VARLEN=True, WINDOW=window_left >= 0, num_warps=4,
         maxnreg=MAXNREG if consumers == 2 else MAXNREG_3, cached_launch=options.cached_launch, site=site,
     )
@@ -646,7 +661,7 @@ def attn_fwd_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, blocks, max_s
 
 def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None, fold: bool = False,
              seed_offset=None, dropout_p: float = 0.0, options: KernelOptions = DEFAULT, site=None,
-             window_left: int = -1) -> None:
+             window_left: int = -1, cap_log2: float = 0.0) -> None:
     """out (B, Sq, H, D) and lse (B, H, Sq, float32, natural log) for a call `supported` accepted; q: (B, Sq, H, D),
     k, v: (B, Sk, Hk, D); qk_scale = softmax_scale * log2(e); alibi_slopes: None or float32 (H,) / (B, H); fold:
     config.KernelConfigs.fold_scale (`_softmax_update`, which ignores it with ALiBi). dropout_p > 0: head dim 128,
@@ -655,7 +670,8 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     persistent_fwd, causal_schedule, head_group and cached_launch. site: launch.launch's, for the arguments that
     follow from the call's shapes and options (the launch tells apart a schedule table built or not).
     window_left >= 0: a causal sliding window, query row m seeing keys m + Sk - Sq - window_left through
-    m + Sk - Sq (common.window_steps), one program per query block, no dropout."""
+    m + Sk - Sq (common.window_steps), one program per query block, no dropout. cap_log2 > 0: softcap, the scores
+    cap_log2 * tanh(qk * qk_scale) with qk_scale = softmax_scale / softcap (ops._scales; `_softmax_update`)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     dropout = dropout_p > 0
@@ -701,10 +717,11 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
         attn_fwd_hopper_kernel, grid, q_desc, k_desc, v_desc, out, lse, alibi_slopes, seed_offset, schedule, None,
         None, None, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes), num_tiles, nheads, nheads // nheads_k,
-        seqlen_q, seqlen_k, qk_scale, dropout_p, schedule_rounds, max(window_left, 0),
+        seqlen_q, seqlen_k, qk_scale, cap_log2, dropout_p, schedule_rounds, max(window_left, 0),
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         HEAD_GROUP=order, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
-        FOLD=fold, CONSUMERS=consumers, DROPOUT=dropout, DRAWER_WARPS=DRAWER_WARPS, CONSUMER_REGS=consumer_regs,
+        FOLD=fold, SOFTCAP=cap_log2 > 0, CONSUMERS=consumers, DROPOUT=dropout,
+        DRAWER_WARPS=DRAWER_WARPS, CONSUMER_REGS=consumer_regs,
         WORKER_REGS=worker_regs, VARLEN=False, WINDOW=window, num_warps=4, maxnreg=maxnreg,
         cached_launch=options.cached_launch,
         site=None if site is None else (site, schedule is None),
