@@ -47,6 +47,7 @@ class Case:
     doc_lens: list[int] = field(default_factory=list)  # varlen only: the documents, packed
     alibi: bool = False  # ALiBi with the standard slopes (`alibi_slopes`); FLOPs count as without it
     window: int = -1  # >= 0: a causal sliding window, query i seeing keys i - window .. i
+    softcap: float = 0.0  # > 0: scores capped to softcap * tanh(score / softcap), Gemma 2's
     bhsd: bool = False  # flashpatch gets (B, S, H, D) views of (B, H, S, D) memory, as transformers' rotary leaves q, k
 
     @property
@@ -112,6 +113,7 @@ def build_cases(quick: bool, seqlens: tuple[int, ...] | None = None) -> list[Cas
     if not quick:  # sliding windows: Mistral's 4096 at 16k with GQA 32/8, and 1024 at 8k
         cases.append(Case("d128 window 4096 GQA 32/8 N=16384", 1, 32, 8, 16384, 128, True, window=4096))
         cases.append(Case("d128 window 1024 N=8192", 2, 16, 16, 8192, 128, True, window=1024))
+        cases.append(Case("d128 causal softcap 50 N=8192", 2, 16, 16, 8192, 128, True, softcap=50.0))
     lens = varlen_lengths()
     cases.append(Case(f"d128 varlen {len(lens)} docs 64..4096", len(lens), 16, 16, max(lens), 128, True, 0.0, lens))
     if not quick:
@@ -174,8 +176,8 @@ def make_fpatch(case: Case, dtype, device):
     v = _rand(case.batch, case.seqlen, case.kv_heads, d, dtype=dtype, device=device)
     slopes = alibi_slopes(case.heads, device) if case.alibi else None
     window = (case.window, 0) if case.window >= 0 else (-1, -1)
-    return (lambda: flashpatch.flash_attn_func(q, k, v, dropout_p=case.dropout, causal=case.causal,
-                                               alibi_slopes=slopes, window_size=window)), [q, k, v]
+    return (lambda: flashpatch.flash_attn_func(q, k, v, dropout_p=case.dropout, causal=case.causal, alibi_slopes=slopes,
+                                               window_size=window, softcap=case.softcap)), [q, k, v]
 
 
 def make_sdpa(backend_name: str):
@@ -184,6 +186,8 @@ def make_sdpa(backend_name: str):
 
         if case.window >= 0:
             raise NotImplementedError("SDPA takes a sliding window only as a dense mask")
+        if case.softcap:
+            raise NotImplementedError("SDPA has no softcap")
         backend = getattr(SDPBackend, backend_name)
         # (B, H, S, D); varlen: the documents padded to the longest, right padding, causal without a mask
         q = _rand(case.batch, case.heads, case.seqlen, case.head_dim, dtype=dtype, device=device)
@@ -256,7 +260,10 @@ def make_flex(case: Case, dtype, device):
     def alibi(score, b, h, q_idx, kv_idx):
         return score - slopes[h] * (q_idx - kv_idx).abs()
 
-    score_mod = alibi if case.alibi else None
+    def softcap(score, b, h, q_idx, kv_idx):
+        return case.softcap * torch.tanh(score / case.softcap)
+
+    score_mod = alibi if case.alibi else softcap if case.softcap else None
     return (lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)), [q, k, v]
 
 
