@@ -499,6 +499,9 @@ def test_gpu_report_appends_history_rows(tmp_path):
     fake["config"]["kernel_options"] = "concurrent_dq=false"
     fake["environment"]["kernel_options"] = {"concurrent_dq": False}
     assert report.history_case(fake) == "t packed seq 64 batch 2x2 bf16 kernel_options concurrent_dq=false"
+    for distributed, name in (("DistributedType.FSDP", "fsdp"), ("DistributedType.MULTI_GPU", "ddp")):
+        fake["environment"]["distributed_type"] = distributed  # the ranks' split named: DDP and FSDP2 rows apart
+        assert report.history_case(fake).startswith(f"t packed seq 64 batch 2x2 {name} bf16 ")
 
 
 def test_bench_attention_history_rows(tmp_path):

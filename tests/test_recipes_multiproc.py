@@ -27,7 +27,8 @@ def launch(accelerate_config: str, args: list[str], cwd: Path, timeout: int) -> 
            str(REPO / "configs" / "accelerate" / accelerate_config), str(REPO / "recipes" / "train.py"), *args]
     # the repository first, then whatever the caller had (a GPU machine may carry packages there)
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    # a test's run is no measurement: its figures stay out of results/history.csv
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "FLASHPATCH_HISTORY": ""}
     if accelerate_config.startswith("cpu"):  # the CPU path on a GPU machine too (cpu_ddp2.yaml's launcher is torchrun)
         env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
