@@ -241,6 +241,22 @@ def test_gluon_forward_in_a_cuda_graph_before_its_schedule_exists(monkeypatch):
     assert torch.equal(out, expected)
 
 
+GLUON_LAUNCHERS = ((sm90_fwd, "attn_fwd"), (sm90_dkdv, "attn_bwd_dkdv"), (sm90_dq, "attn_bwd_dq"))
+
+
+def _record_launches(monkeypatch, launchers=GLUON_LAUNCHERS, keyword=None):
+    """Wraps each (module, launcher name) so that every call first appends to the returned list its name, or with a
+    keyword (name, the call's argument of that name)."""
+    calls = []
+    for module, name in launchers:
+        def record(*args, _launch=getattr(module, name), _name=name, **kwargs):
+            calls.append(_name if keyword is None else (_name, kwargs.get(keyword)))
+            return _launch(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, record)
+    return calls
+
+
 def _gluon_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, order, dtype):
     """q, k, v (requiring grad) of a Gluon case, from seed 0; order "bhsd": (B, H, S, D) in memory, seen as
     (B, S, H, D) like every input."""
@@ -258,11 +274,7 @@ def _check_gluon_case(case, dtype, monkeypatch, make_slopes=None, **options):
     """A GLUON_CASES case, asserting that all three Gluon kernels ran; make_slopes(batch, nheads) adds ALiBi;
     options: kernel_options.override's."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order = case
-    calls = []
-    for module, name in ((sm90_fwd, "attn_fwd"), (sm90_dkdv, "attn_bwd_dkdv"), (sm90_dq, "attn_bwd_dq")):
-        launch = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _launch=launch, _name=name, **kw: calls.append(_name)
-                            or _launch(*a, **kw))
+    calls = _record_launches(monkeypatch)
 
     q, k, v = _gluon_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, order, dtype)
     kwargs = {"causal": causal}
@@ -412,11 +424,7 @@ def _check_dropout_launches(shape, dtype, causal, p, alibi, launches, overrides,
     """One dropout call under kernel_options.override(**overrides) against float64 with the pattern the separate
     dropout_mask kernel writes; returns the (launcher, dropout_p) calls made of `launches` ((module, name) pairs)."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim = shape
-    calls = []
-    for module, name in launches:
-        launch = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _launch=launch, _name=name, **kw: calls.append(
-            (_name, kw.get("dropout_p"))) or _launch(*a, **kw))
+    calls = _record_launches(monkeypatch, launches, "dropout_p")
     torch.manual_seed(0)
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, device="cuda")
     kwargs = {"dropout_p": p, "causal": causal}
@@ -511,6 +519,18 @@ def test_varlen_realistic_mix_bf16(nheads_k, headdim):
                             causal=True)
 
 
+def _varlen_qkv(lengths_q, lengths_k, nheads, nheads_k, headdim, dtype, q_scale=1.0):
+    """(q, k, v, cu_seqlens_q, cu_seqlens_k) of a packed batch, from seed 0: q (sum lengths_q, H, D) times q_scale,
+    k and v (sum lengths_k, Hk, D), all requiring grad."""
+    torch.manual_seed(0)
+    q = (q_scale * torch.randn(sum(lengths_q), nheads, headdim, device="cuda", dtype=dtype)).requires_grad_()
+    k, v = (torch.randn(sum(lengths_k), nheads_k, headdim, device="cuda", dtype=dtype, requires_grad=True)
+            for _ in "kv")
+    cu_q = cu_seqlens_from_lengths(torch.tensor(lengths_q, device="cuda"))
+    cu_k = cu_seqlens_from_lengths(torch.tensor(lengths_k, device="cuda"))
+    return q, k, v, cu_q, cu_k
+
+
 @needs_gluon
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", [
@@ -538,16 +558,10 @@ def test_gluon_varlen_matches_float64(case, dtype, dq_form, monkeypatch):
         launch = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _launch=launch, _name=name, **kw: calls.append(
             (_name, kw.get("varlen") is not None or _name == "attn_fwd_varlen")) or _launch(*a, **kw))
-    torch.manual_seed(0)
     lengths_q = case["lengths_q"]
     lengths_k = case.get("lengths_k", lengths_q)
     nheads, nheads_k = case["heads"]
-    headdim = case["headdim"]
-    q = torch.randn(sum(lengths_q), nheads, headdim, device="cuda", dtype=dtype, requires_grad=True)
-    k, v = (torch.randn(sum(lengths_k), nheads_k, headdim, device="cuda", dtype=dtype, requires_grad=True)
-            for _ in "kv")
-    cu_q = cu_seqlens_from_lengths(torch.tensor(lengths_q, device="cuda"))
-    cu_k = cu_seqlens_from_lengths(torch.tensor(lengths_k, device="cuda"))
+    q, k, v, cu_q, cu_k = _varlen_qkv(lengths_q, lengths_k, nheads, nheads_k, case["headdim"], dtype)
     kwargs = {"causal": case["causal"]}
     if case.get("alibi"):
         kwargs["alibi_slopes"] = _geometric_slopes(len(lengths_q), nheads)
@@ -583,11 +597,7 @@ def test_gluon_window_matches_float64(case, dtype, monkeypatch):
     # common.window_steps: a query block's K/V stream starts at the first key block its first row sees, the blocks
     # on the window's left edge masked; dK/dV's query range ends where its last key leaves the windows
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, window_left = case
-    calls = []
-    for module, name in ((sm90_fwd, "attn_fwd"), (sm90_dkdv, "attn_bwd_dkdv"), (sm90_dq, "attn_bwd_dq")):
-        launch = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _launch=launch, _name=name, **kw: calls.append(
-            (_name, kw.get("window_left"))) or _launch(*a, **kw))
+    calls = _record_launches(monkeypatch, keyword="window_left")
     q, k, v = _gluon_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, "bshd", dtype)
     kwargs = dict(causal=True, window_size=(window_left, 0))
     with kernel_options.override(gluon_fwd=True, gluon_dkdv=True, gluon_dq=True, fused_dq=False):
@@ -609,24 +619,14 @@ def test_gluon_window_matches_float64(case, dtype, monkeypatch):
 def test_gluon_varlen_window_matches_float64(case, dtype, dq_form, monkeypatch):
     if dq_form == "fused_dq" and not sm90_dkdv.fuses_dq(case["headdim"]):
         pytest.skip(f"the Gluon dK/dV fuses dQ at head dim 128, not {case['headdim']}")
-    torch.manual_seed(0)
     lengths_q = case["lengths_q"]
     lengths_k = case.get("lengths_k", lengths_q)
     nheads, nheads_k = case["heads"]
-    headdim = case["headdim"]
-    q = torch.randn(sum(lengths_q), nheads, headdim, device="cuda", dtype=dtype, requires_grad=True)
-    k, v = (torch.randn(sum(lengths_k), nheads_k, headdim, device="cuda", dtype=dtype, requires_grad=True)
-            for _ in "kv")
-    cu_q = cu_seqlens_from_lengths(torch.tensor(lengths_q, device="cuda"))
-    cu_k = cu_seqlens_from_lengths(torch.tensor(lengths_k, device="cuda"))
+    q, k, v, cu_q, cu_k = _varlen_qkv(lengths_q, lengths_k, nheads, nheads_k, case["headdim"], dtype)
     kwargs = dict(causal=True, window_size=(case["window"], 0))
     if case.get("alibi"):
         kwargs["alibi_slopes"] = _geometric_slopes(len(lengths_q), nheads)
-    calls = []
-    for module, name in ((sm90_fwd, "attn_fwd_varlen"), (sm90_dkdv, "attn_bwd_dkdv")):
-        launch = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _launch=launch, _name=name, **kw: calls.append(_name)
-                            or _launch(*a, **kw))
+    calls = _record_launches(monkeypatch, ((sm90_fwd, "attn_fwd_varlen"), (sm90_dkdv, "attn_bwd_dkdv")))
     with kernel_options.override(gluon_fwd=True, gluon_dkdv=True, gluon_dq=True, fused_dq=dq_form == "fused_dq"):
         out = flashpatch.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), **kwargs)
         dout = torch.randn_like(out)
@@ -654,11 +654,7 @@ def _check_softcap_case(case, dtype, monkeypatch, **options):
     """A GLUON_SOFTCAP_CASES case with softcap 10 against float64, the Gluon kernels on unless options (for
     kernel_options.override) turn them off; returns the names of the sm90 launchers that ran."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, extra = case
-    calls = []
-    for module, name in ((sm90_fwd, "attn_fwd"), (sm90_dkdv, "attn_bwd_dkdv"), (sm90_dq, "attn_bwd_dq")):
-        launch = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _launch=launch, _name=name, **kw: calls.append(
-            (_name, kw.get("cap_log2"))) or _launch(*a, **kw))
+    calls = _record_launches(monkeypatch, keyword="cap_log2")
     q, k, v = _gluon_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, "bshd", dtype)
     q = (q.detach() * 4).requires_grad_()
     kwargs = dict(causal=causal, softcap=10.0, **{key: val for key, val in extra.items() if key != "alibi"})
@@ -705,17 +701,9 @@ def test_gluon_softcap_forms_match_float64_bf16(case, form, monkeypatch):
 @needs_gluon
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gluon_varlen_softcap_matches_float64(dtype, monkeypatch):
-    torch.manual_seed(0)
     lengths_q, lengths_k = [1, 17, 113, 1000, 0, 300], [5, 17, 200, 1000, 3, 299]
-    q = (4 * torch.randn(sum(lengths_q), 8, 128, device="cuda", dtype=dtype)).requires_grad_()
-    k, v = (torch.randn(sum(lengths_k), 2, 128, device="cuda", dtype=dtype, requires_grad=True) for _ in "kv")
-    cu_q = cu_seqlens_from_lengths(torch.tensor(lengths_q, device="cuda"))
-    cu_k = cu_seqlens_from_lengths(torch.tensor(lengths_k, device="cuda"))
-    calls = []
-    for module, name in ((sm90_fwd, "attn_fwd_varlen"), (sm90_dkdv, "attn_bwd_dkdv")):
-        launch = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _launch=launch, _name=name, **kw: calls.append(
-            (_name, kw.get("cap_log2"))) or _launch(*a, **kw))
+    q, k, v, cu_q, cu_k = _varlen_qkv(lengths_q, lengths_k, 8, 2, 128, dtype, q_scale=4.0)
+    calls = _record_launches(monkeypatch, ((sm90_fwd, "attn_fwd_varlen"), (sm90_dkdv, "attn_bwd_dkdv")), "cap_log2")
     kwargs = dict(causal=True, softcap=10.0)
     out = flashpatch.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), **kwargs)
     dout = torch.randn_like(out)

@@ -223,6 +223,18 @@ def key_floor(offs_m, shift, window_left, WINDOW: gl.constexpr):
 
 
 @gluon.jit
+def window_keys(offs_m, offs_n, shift, key_lim, window, WINDOW: gl.constexpr):
+    """A forward or dQ consumer's key range under a causal sliding window: (offs_n counted from the program's first
+    key block, each row's first key (`key_floor`), the masked steps on the window's left edge), from `window_steps`'
+    (n_lo, first key, window_left) in `window`; without a WINDOW, (offs_n, key_lim, 0): no left edge."""
+    if WINDOW:
+        n_lo, key_first, window_left = window
+        return offs_n + key_first, key_floor(offs_m, shift, window_left, WINDOW), n_lo
+    else:
+        return offs_n, key_lim, 0
+
+
+@gluon.jit
 def varlen_lse_start(q_first, seq):
     """Where sequence `seq` (first token q_first) starts in a varlen backward's LSE and delta rows, as
     triton.backward's aligned_start places it: a multiple of config.ALIGN, so that the rows' TMA loads start
@@ -372,6 +384,15 @@ def softcap_tanh(x):
     of about 2^-11 (a bf16 score's own rounding is 2^-9). 1 - 2 / (e^2x + 1) through exp2 and a division, as the
     Triton kernels compute it, cost a quarter of the forward's speed (docs/tuning.md)."""
     return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def softcap_scores(s, qk_scale, cap_log2):
+    """The backward's softcapped scores in log2 units, cap_log2 * tanh(s * qk_scale), and the cap's derivative
+    1 - tanh^2 that dS takes."""
+    t = softcap_tanh(s * qk_scale)
+    slope = 1.0 - t * t
+    return cap_log2 * t, slope
 
 
 @gluon.jit

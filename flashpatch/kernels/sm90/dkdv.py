@@ -67,7 +67,7 @@ from flashpatch.kernels.launch import cdiv, launch
 from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     TMA_REDUCE, alibi_bias, allocate_keep_ring, carry_addend, carry_shift_in_ptx, descriptor, dropout_seed_offset,
-    fp32_descriptor, head_slope_log2, kept_dims, philox_wide, sm90_dense_ok, softcap_tanh, tma_load, tma_reduce_add,
+    fp32_descriptor, head_slope_log2, kept_dims, philox_wide, sm90_dense_ok, softcap_scores, tma_load, tma_reduce_add,
     varlen_lse_start, varlen_pair, vector_descriptor)
 from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_rows, head_and_block
 
@@ -305,9 +305,7 @@ def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, rea
     if DROPOUT and not FUSED_DQ:
         mbarrier.arrive(keep_empty.index(WG * KEEP_SLOTS + (i + KEEP_SLOTS - 1) % KEEP_SLOTS), pred=i > 0)
     if SOFTCAP:
-        t_t = softcap_tanh(s_t * qk_scale)
-        slope_t = 1.0 - t_t * t_t  # the cap's derivative, for dS
-        scores_t = cap_log2 * t_t  # log2 units
+        scores_t, slope_t = softcap_scores(s_t, qk_scale, cap_log2)  # log2 units; the cap's derivative, for dS
     else:
         scores_t = s_t * qk_scale  # log2 units
     if ALIBI:

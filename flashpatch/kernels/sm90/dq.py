@@ -26,10 +26,10 @@ from flashpatch.kernels.config import head_group, persistent_grid, sm_count
 from flashpatch.kernels.launch import cdiv, launch
 from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
-    alibi_bias, allocate_kv_ring, allocate_query_barriers, descriptor, dropout_seed_offset, head_slope_log2, key_floor,
+    alibi_bias, allocate_kv_ring, allocate_query_barriers, descriptor, dropout_seed_offset, head_slope_log2,
     key_limit, persistent_rounds, persistent_tile, philox_wide, producer_persistent, query_block_of_tile,
-    query_block_program, sm90_dense_ok, softcap_tanh, stream_kv, tma_load, varlen_lse_start,
-    varlen_query_block_program, window_steps)
+    query_block_program, sm90_dense_ok, softcap_scores, stream_kv, tma_load, varlen_lse_start,
+    varlen_query_block_program, window_keys, window_steps)
 from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_rows, keep_from_words
 
 HALF_M = 64  # queries per consumer warpgroup
@@ -103,9 +103,7 @@ def _dq_step(i, ring, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, ze
         keep = dropout_keep_acc(seed, offset, drop_rows, i * BLOCK_N, seqlen_k, dropout_p, zero_s)
     qk = warpgroup_mma_wait(1, deps=(qk, ))
     if SOFTCAP:
-        t = softcap_tanh(qk * qk_scale)
-        slope = 1.0 - t * t  # the cap's derivative, for dS
-        scores = cap_log2 * t  # log2 units
+        scores, slope = softcap_scores(qk, qk_scale, cap_log2)  # log2 units; the cap's derivative, for dS
     else:
         scores = qk * qk_scale  # log2 units
     if ALIBI:
@@ -153,13 +151,7 @@ def _dq_consumer(q_smem, do_smem, k_bufs, v_bufs, ready_k, ready_v, empty, qdo_b
     drop_rows = drop_rows + WG * HALF_M // 2  # this warpgroup's first counter row
 
     key_lim = key_limit(offs_m, shift, seqlen_k, CAUSAL)
-    if WINDOW:
-        n_lo, key_first, window_left = window
-        offs_n += key_first  # step i holds keys key_first + i * BLOCK_N ..
-        key_lo = key_floor(offs_m, shift, window_left, WINDOW)
-    else:
-        n_lo = 0
-        key_lo = key_lim
+    offs_n, key_lo, n_lo = window_keys(offs_m, offs_n, shift, key_lim, window, WINDOW)
     dq = _dq_block(dq, q_s, do_s, qdo_bar, 0, 0, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, lse_log2, delta,
                    offs_m, offs_n, shift, key_lim, key_lo, n_lo, n_full, n_steps, qk_scale, cap_log2, alibi_log2,
                    seed, offset, drop_rows, seqlen_k, dropout_p, DROPOUT, ALIBI, SOFTCAP, BLOCK_N, STAGES, False,

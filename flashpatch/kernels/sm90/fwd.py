@@ -47,9 +47,9 @@ from flashpatch.kernels.launch import cdiv, launch
 from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     allocate_keep_ring, allocate_kv_ring, allocate_query_barriers, alibi_bias, carry_addend, carry_shift_in_ptx,
-    descriptor, dropout_seed_offset, head_slope_log2, kept_dims, key_floor, key_limit, persistent_rounds,
+    descriptor, dropout_seed_offset, head_slope_log2, kept_dims, key_limit, persistent_rounds,
     persistent_tile, philox_wide, producer_persistent, query_block_of_tile, query_block_program, sm90_dense_ok,
-    softcap_tanh, stream_kv, tma_load, varlen_query_block_program, window_steps)
+    softcap_tanh, stream_kv, tma_load, varlen_query_block_program, window_keys, window_steps)
 from flashpatch.kernels.sm90.schedule import causal_schedule_tensor
 from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_rows
 
@@ -275,13 +275,7 @@ def _fwd_consumer(q_s, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
     key_lim = key_limit(offs_m, shift, seqlen_k, CAUSAL)
-    if WINDOW:
-        n_lo, key_first, window_left = window
-        offs_n += key_first  # step i holds keys key_first + i * BLOCK_N ..
-        key_lo = key_floor(offs_m, shift, window_left, WINDOW)
-    else:
-        n_lo = 0
-        key_lo = key_lim
+    offs_n, key_lo, n_lo = window_keys(offs_m, offs_n, shift, key_lim, window, WINDOW)
     acc, m_i, l_i = _fwd_block(q_s, q_bar, 0, 0, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
                                shift, key_lim, key_lo, n_lo, n_full, n_steps, qk_scale, cap_log2, alibi_log2, HEADDIM,
                                HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP, keep_parts, WG, DROPOUT, WINDOW)
