@@ -334,7 +334,7 @@ def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, rea
                            is_async=True)
     else:
         dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
-    if SOFTCAP:
+    if SOFTCAP:  # dS = P (1 - t^2) (dP - delta): P has gone to dV, the cap's derivative joins it here
         p_t = p_t * slope_t
     if LSE_FIRST:  # delta is live from here on only, with LSE no longer needed
         delta = delta_bufs.index(s).load(row_layout)
