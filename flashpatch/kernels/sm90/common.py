@@ -62,10 +62,10 @@ def sm90_dense_ok(*tensors: torch.Tensor, varlen: bool, window_left: int, window
                   with_window: bool = False, with_softcap: bool = False) -> bool:
     """The scope the Gluon kernels share: sm_90 with Gluon enabled (`enabled`), dense (B, S, H, D) tensors that
     `rows_view` maps (varlen (T, H, D) ones where the kernel takes them: `with_varlen`), bf16 or fp16, head dim 64
-    or 128, causal or unmasked (or a causal sliding window without dropout: `with_window`), no softcap (unless the
-    kernel caps the scores: `with_softcap`), no dropout
-    unless the kernel draws it (`with_dropout`), 32-bit element offsets. Any lengths: the kernels mask a last tile
-    that runs past a sequence (`key_limit`, the backward's padded LSE)."""
+    or 128, causal or unmasked (or a causal sliding window without dropout: `with_window`), no softcap unless the
+    kernel caps the scores (`with_softcap`), no dropout unless the kernel draws it (`with_dropout`), 32-bit element
+    offsets. Any lengths: the kernels mask a last tile that runs past a sequence (`key_limit`, the backward's padded
+    LSE)."""
     q = tensors[0]
     if not (enabled() and q.is_cuda and capability(q.device) == (9, 0)):
         return False
@@ -202,7 +202,7 @@ def window_steps(m0, shift, n_full, n_steps, window_left, BLOCK_M: gl.constexpr,
     WINDOW the steps `key_steps` gave): (first key block, masked left-edge steps, steps before the masked diagonal
     ones, steps), the last three counted from the first key block. Query row m sees keys m + Sk - Sq - window_left
     through m + Sk - Sq; a block holding no key that the block's first row sees is skipped, and a block from which
-    its last row sees every key is not masked on the left (`key_floor`)."""
+    its last row sees every key is not masked on the left (`window_keys`)."""
     if WINDOW:
         n_first = gl.minimum(gl.maximum(m0 + shift - window_left, 0) // BLOCK_N, n_steps)
         n_lo = gl.cdiv(gl.maximum(m0 + BLOCK_M - 1 + shift - window_left, 0), BLOCK_N)
@@ -213,23 +213,14 @@ def window_steps(m0, shift, n_full, n_steps, window_left, BLOCK_M: gl.constexpr,
 
 
 @gluon.jit
-def key_floor(offs_m, shift, window_left, WINDOW: gl.constexpr):
-    """The first key each query row offs_m may see in a masked step under a causal sliding window
-    (`window_steps`), or without one a floor no key is below."""
-    if WINDOW:
-        return offs_m + shift - window_left
-    else:
-        return offs_m * 0 - 1
-
-
-@gluon.jit
 def window_keys(offs_m, offs_n, shift, key_lim, window, WINDOW: gl.constexpr):
-    """A forward or dQ consumer's key range under a causal sliding window: (offs_n counted from the program's first
-    key block, each row's first key (`key_floor`), the masked steps on the window's left edge), from `window_steps`'
-    (n_lo, first key, window_left) in `window`; without a WINDOW, (offs_n, key_lim, 0): no left edge."""
+    """A forward or dQ consumer's keys under a causal sliding window: (offs_n counted from the program's first key,
+    the first key each query row offs_m may see in a masked step, the masked steps on the window's left edge), from
+    `window_steps`' window (masked left-edge steps, the program's first key, window_left); without a WINDOW,
+    (offs_n, key_lim, 0): no left edge."""
     if WINDOW:
         n_lo, key_first, window_left = window
-        return offs_n + key_first, key_floor(offs_m, shift, window_left, WINDOW), n_lo
+        return offs_n + key_first, offs_m + shift - window_left, n_lo
     else:
         return offs_n, key_lim, 0
 

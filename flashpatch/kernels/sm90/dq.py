@@ -86,7 +86,7 @@ def _dq_step(i, ring, dq, q_s, do_s, k_bufs, v_bufs, ready_k, ready_v, empty, ze
              dropout_p, MASKED: gl.constexpr, DROPOUT: gl.constexpr, ALIBI: gl.constexpr, SOFTCAP: gl.constexpr,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WINDOW: gl.constexpr):
     """Key block i into dq, from the ring's slot `ring` (= i but in a persistent program). MASKED: keys past each
-    row's key_lim (common.key_limit) hidden, and under a WINDOW the keys before its key_lo (common.key_floor; offs_n
+    row's key_lim (common.key_limit) hidden, and under a WINDOW the keys before its key_lo (common.window_keys; offs_n
     then counts from the program's first key block, common.window_steps). Rows past seqlen_q have an LSE of +inf
     (ops.attn_bwd_impl pads it), so their P is 0. SOFTCAP (`common.softcap_tanh`): the scores are
     cap_log2 * tanh(qk * qk_scale), and dS takes the cap's derivative 1 - tanh^2, folded into P as soon as P is

@@ -192,7 +192,7 @@ def _fwd_step(i, ring, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, emp
               WG: gl.constexpr, DROPOUT: gl.constexpr, WINDOW: gl.constexpr):
     """Key block i into (acc, m_i, l_i), from the ring's slot `ring` (= i but in a persistent program); offs_n:
     the block's key indices relative to its start (plus the program's first key, `window_steps`); key_lo:
-    common.key_floor's, which MASKED steps apply under a WINDOW. DROPOUT: the step's keep words from consumer WG's
+    common.window_keys', which MASKED steps apply under a WINDOW. DROPOUT: the step's keep words from consumer WG's
     drawer (keep_parts: the words' ring, its slots WG * KEEP_SLOTS + the step's, and their barriers); the running
     sum counts every weight, P V only the kept ones (`_fwd_epilogue` scales by 1 / (1 - p))."""
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
@@ -227,7 +227,7 @@ def _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, key_lo, qk_
                     SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
     """Scores of key block i into (P, new running max, new running sum, rescale factor of the old sums); the
     running max is in log2 units. MASKED: keys past each row's key_lim (common.key_limit) hidden, and under a
-    WINDOW the keys before its key_lo (common.key_floor).
+    WINDOW the keys before its key_lo (common.window_keys).
 
     SOFTCAP: the scores are cap_log2 * tanh(qk * qk_scale) (`common.softcap_tanh`).
 
