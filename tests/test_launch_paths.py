@@ -732,3 +732,16 @@ def test_gluon_kernels_refuse_windows_they_cannot_run(kernel, causal, dropout_p)
         else:
             sm90_dq.attn_bwd_dq(q, k, v, q, lse, lse.clone(), q.clone(), 1.0, 1.0, causal, seed_offset=seed_offset,
                                   dropout_p=dropout_p, window_left=31)
+
+
+def test_gluon_dkdv_refuses_softcap_with_dropout():
+    # softcap and dropout together spill in the Gluon dK/dV (`supported` keeps such calls on the Triton kernel); a
+    # direct call is refused naming both, before a descriptor is built
+    from flashpatch.kernels.sm90 import dkdv as sm90_dkdv
+
+    q = torch.randn(1, 17, 4, 128, dtype=torch.float16)  # (B, S, H, D)
+    k, v = (torch.randn(1, 113, 2, 128, dtype=torch.float16) for _ in "kv")
+    lse = torch.zeros(1, 4, 128)
+    with pytest.raises(ValueError, match=r"cap_log2=72\.1.*dropout_p=0\.1"):
+        sm90_dkdv.attn_bwd_dkdv(q, k, v, q, lse, lse.clone(), k.clone(), v.clone(), 1.0, 1.0, True,
+                                  seed_offset=torch.zeros(2, dtype=torch.int64), dropout_p=0.1, cap_log2=72.1)
