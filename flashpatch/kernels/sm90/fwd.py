@@ -234,8 +234,12 @@ def _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, key_lo, qk_
     FOLD (ignored with ALiBi or SOFTCAP, which change the scaled scores): the row max is taken over the raw
     scores and scaled once per row, and the scale goes into the exponent's subtraction as one fused
     multiply-add per score, instead of a multiply per score and then a subtraction (qk_scale >= 0, which
-    validation ensures, keeps the max where it was)."""
-    if FOLD and not ALIBI and not SOFTCAP:
+    validation ensures, keeps the max where it was). SOFTCAP without ALiBi folds the same way: the scores are
+    tanh's values and cap_log2 (> 0) is the scale."""
+    if SOFTCAP and not ALIBI:  # tanh's values; cap_log2 goes inside the max and the exponent, as FOLD's scale
+        scores = softcap_tanh(qk * qk_scale)
+        scale = cap_log2
+    elif FOLD and not ALIBI:
         scores = qk  # raw; scaled inside the max and the exponent below
         scale = qk_scale
     else:
