@@ -118,21 +118,29 @@ def test_zero_dropout_is_the_plain_path():
 MASK32 = 0xFFFFFFFF
 
 
-def _philox4x32_10(counter: tuple[int, int, int, int], key: tuple[int, int]) -> tuple[int, int, int, int]:
-    """Philox4x32-10 as specified by Salmon et al. (SC'11, Random123), in plain Python integers."""
+def _philox4x32(counter: tuple[int, int, int, int], key: tuple[int, int], rounds: int) -> tuple[int, int, int, int]:
+    """Philox4x32 with `rounds` rounds as specified by Salmon et al. (SC'11, Random123), in plain Python integers."""
     c0, c1, c2, c3 = counter
     k0, k1 = key
-    for _ in range(10):
+    for _ in range(rounds):
         prod0, prod1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
         c0, c1, c2, c3 = ((prod1 >> 32) ^ c1 ^ k0, prod1 & MASK32, (prod0 >> 32) ^ c3 ^ k1, prod0 & MASK32)
         k0, k1 = (k0 + 0x9E3779B9) & MASK32, (k1 + 0xBB67AE85) & MASK32
     return c0, c1, c2, c3
 
 
-def test_mask_is_philox4x32_10_at_documented_counters():
-    """The kernels' generator is the standard Philox4x32-10: checked against the published known-answer vector,
-    then bit for bit against the counter layout `dropout_keep` documents (eight 16-bit decisions per call)."""
-    assert _philox4x32_10((0, 0, 0, 0), (0, 0)) == (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)
+def test_philox_oracle_matches_published_known_answers():
+    """The plain-Python Philox against Random123's known-answer vectors (kat_vectors) at 7 and 10 rounds."""
+    ones, digits = (MASK32,) * 4, (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344)
+    assert _philox4x32((0, 0, 0, 0), (0, 0), 7) == (0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48)
+    assert _philox4x32(ones, (MASK32, MASK32), 7) == (0x5207DDC2, 0x45165E59, 0x4D8EE751, 0x8C52F662)
+    assert _philox4x32(digits, (0xA4093822, 0x299F31D0), 7) == (0x4DFCCABA, 0x190A87F0, 0xC47362BA, 0xB6B5242A)
+    assert _philox4x32((0, 0, 0, 0), (0, 0), 10) == (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)
+
+
+def test_mask_is_philox4x32_7_at_documented_counters():
+    """The kernels' generator is Philox4x32-7 (the oracle above, checked against the published vectors), bit for bit
+    at the counter layout `dropout_keep` documents (eight 16-bit decisions per call)."""
     # 21 queries, 37 keys: partial 16-row and 16-key groups, and both halves of bit 3 in each
     batch, nheads, seqlen_q, seqlen_k, p = 2, 3, 21, 37, 0.3
     seed_offset = flashpatch.ops.draw_seed_offset(torch.device("cpu"))
@@ -146,7 +154,7 @@ def test_mask_is_philox4x32_10_at_documented_counters():
         i_pair = (i >> 4) * 8 + (i & 7)  # i without bit 3
         j_group = (j >> 4) * 4 + ((j >> 1) & 3)  # j without bits 0 and 3
         counter = offset + ((b * nheads + h) * rows_per_head + i_pair) * groups_per_row + j_group
-        word = _philox4x32_10((counter & MASK32, counter >> 32, 0, 0), (seed & MASK32, seed >> 32))[
+        word = _philox4x32((counter & MASK32, counter >> 32, 0, 0), (seed & MASK32, seed >> 32), 7)[
             2 * ((i >> 3) & 1) + ((j >> 3) & 1)]
         bits = (word >> 16) if j & 1 else (word & 0xFFFF)
         expected[b, h, i, j] = 1.0 if bits >= threshold else -1.0

@@ -15,7 +15,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashpatch.kernels.config import ALIGN
 from flashpatch.kernels.sm90 import capability, enabled
-from flashpatch.kernels.triton.common import dropout_threshold, tile_head_and_block
+from flashpatch.kernels.triton.common import PHILOX_ROUNDS, dropout_threshold, tile_head_and_block
 
 LSE_ALIGN = gl.constexpr(ALIGN)  # the varlen backward's LSE rows start at multiples of this (`varlen_lse_start`)
 
@@ -342,7 +342,7 @@ def _mul_wide(x, ASM: gl.constexpr):
 
 @gluon.jit
 def philox_wide(seed, counter):
-    """triton.common.philox4x32_10's four words (tl.philox's rounds, the same arithmetic) with each round's two
+    """triton.common.philox4x32's four words (tl.philox's rounds, the same arithmetic) with each round's two
     products written as one mul.wide each, for the Gluon kernels that draw keep bits (the drawers of fwd.py and
     dkdv.py, the dQ pass of dq.py): from tl.philox's mul.hi and mul.lo ptxas mostly issues two IMADs a product, here
     one IMAD.WIDE, a third fewer instructions a call. The first round is written out with c2 = c3 = 0."""
@@ -356,7 +356,7 @@ def philox_wide(seed, counter):
     c1 = c0 & 0  # B * 0
     c2 = hi_a ^ k1  # umulhi(A, c0) ^ 0 ^ k1
     c3 = lo_a
-    for _ in gl.static_range(9):
+    for _ in gl.static_range(PHILOX_ROUNDS - 1):
         k0 = k0 + 0x9E3779B9
         k1 = k1 + 0xBB67AE85
         hi_b, lo_b = _mul_wide(c2, _MUL_WIDE_B_ASM)

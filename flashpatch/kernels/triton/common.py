@@ -208,14 +208,20 @@ def dropout_threshold(dropout_p):
     return tl.floor(dropout_p * 65536.0 + 0.5).to(tl.uint32)
 
 
+# Philox4x32's rounds: seven, as flash-attn draws its dropout (Random123 counts Philox4x32-7 among its generators that
+# pass TestU01's BigCrush; ten is its default, with a safety margin). Every kernel draws through these rounds, so
+# changing them changes every mask alike; the Gluon kernels' philox_wide reads the same constant.
+PHILOX_ROUNDS = tl.constexpr(7)
+
+
 @triton.jit
-def philox4x32_10(seed, counter):
-    """The four 32-bit output words of Philox4x32-10 keyed by the 64-bit seed at the 64-bit counter (words c0, c1;
-    c2 = c3 = 0)."""
+def philox4x32(seed, counter):
+    """The four 32-bit output words of Philox4x32 with PHILOX_ROUNDS rounds, keyed by the 64-bit seed at the 64-bit
+    counter (words c0, c1; c2 = c3 = 0)."""
     c0 = (counter & 0xFFFFFFFF).to(tl.uint32)
     c1 = (counter >> 32).to(tl.uint32)
     zero = c0 & 0  # not tl.zeros_like, which Gluon (sm90/dq.py calls this too) cannot give a layout
-    return tl.philox(seed, c0, c1, zero, zero)
+    return tl.philox(seed, c0, c1, zero, zero, n_rounds=PHILOX_ROUNDS)
 
 
 @triton.jit
@@ -223,9 +229,8 @@ def dropout_keep(seed, offset, rows0, n0, max_seqlen_k, dropout_p, BLOCK_M: tl.c
     """(BLOCK_M, BLOCK_N) bool tile, queries x keys: keep the weight of (query m0 + i, key n0 + j)?
     rows0 = dropout_head_rows(...) + m0 // 2; m0, n0 and both block sizes are multiples of 16.
 
-    The generator is the standard Philox4x32-10 (Random123), keyed by the 64-bit seed. Each call yields eight
-    16-bit decisions, for the eight (query, key) pairs that differ only in bit 3 of the query and bits 0 and 3 of
-    the key. For query i and key j of head h (h counts batch entries times heads) the call's 64-bit counter
+    The generator is Philox4x32-7 (`philox4x32`), keyed by the 64-bit seed. Each call yields eight 16-bit decisions,
+    for the eight (query, key) pairs that differ only in bit 3 of the query and bits 0 and 3 of the key. For query i and key j of head h (h counts batch entries times heads) the call's 64-bit counter
     (words c0, c1) is
         offset + (h * 8 * ceil(max_seqlen_q / 16) + i') * 4 * ceil(max_seqlen_k / 16) + j',
     i' = i without bit 3, j' = j without bits 0 and 3; the decision is output word 2 * i[3] + j[3], its low half
@@ -250,7 +255,7 @@ def keep_tile(seed, counter, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
     """The (BLOCK_M, BLOCK_N) keep tile from the (BM/16, 8, BN/16, 4) Philox counters of `dropout_keep`, one per
     call: the part of the draw that `dropout_keep` and the Gluon dQ (sm90.dq.dropout_keep_acc) share, so that
     their bits agree by construction."""
-    r0, r1, r2, r3 = philox4x32_10(seed, counter)
+    r0, r1, r2, r3 = philox4x32(seed, counter)
     return keep_from_words(r0, r1, r2, r3, dropout_p, BLOCK_M, BLOCK_N)
 
 
