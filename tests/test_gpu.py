@@ -397,8 +397,8 @@ def test_fused_dq_where_keys_are_long_unless_deterministic_bf16(causal, monkeypa
                   + ("-alibi" if c[8] else "")))
 def test_gluon_dq_dropout_matches_float64_bf16(case, monkeypatch):
     # The Gluon dQ draws common.dropout_keep's bits in the wgmma accumulator layout (sm90_dq.dropout_keep_acc):
-    # the pattern that the separate dropout_mask kernel writes must be the one it applied. The forward and dK/dV with
-    # dropout are the Gluon ones at head dim 128, the Triton ones at 64.
+    # the pattern that the separate dropout_mask kernel writes must be the one it applied (the forward is the Gluon
+    # one, with its drawer warps, at both head dims).
     _check_gluon_dq_dropout(case, monkeypatch)
 
 
@@ -417,7 +417,7 @@ def _check_gluon_dq_dropout(case, monkeypatch, **options):
                                     dict(gluon_fwd=True, gluon_dq=True, atomic_dq=False, fused_dq=False, **options),
                                     monkeypatch)
     # the dQ pass, not the dQ fused into dK/dV that config takes for long rows
-    assert calls == ([("attn_fwd", p)] if headdim == 128 else []) + [("attn_bwd_dq", p)]
+    assert calls == [("attn_fwd", p), ("attn_bwd_dq", p)]
 
 
 def _check_dropout_launches(shape, dtype, causal, p, alibi, launches, overrides, monkeypatch):
@@ -439,7 +439,7 @@ def _check_dropout_launches(shape, dtype, causal, p, alibi, launches, overrides,
 
 
 # Dropout calls for the drawer warps' GPU tests (sm90_dkdv._keep_drawer, sm90_fwd._fwd_keep_drawer): (batch, Sq,
-# Sk, heads, K/V heads, causal, p, ALiBi, dtype), head dim 128
+# Sk, heads, K/V heads, causal, p, ALiBi, dtype); each runs at head dim 128, and the first six at 64 too
 DRAWER_DROPOUT_CASES = [
     (2, 1024, 1024, 8, 2, True, 0.1, False, torch.bfloat16),
     (1, 640, 1152, 4, 4, True, 0.2, False, torch.bfloat16),  # Sq < Sk, bottom-right causal
@@ -462,29 +462,40 @@ def _drawer_case_id(c):
             + ("-alibi" if c[7] else "") + f"-{str(c[8]).split('.')[-1]}")
 
 
+DRAWER_DROPOUT_PARAMS = ([(c, 128) for c in DRAWER_DROPOUT_CASES] + [(c, 64) for c in DRAWER_DROPOUT_CASES[:6]])
+
+
+def _drawer_param_id(param):
+    case, headdim = param
+    return f"{_drawer_case_id(case)}-d{headdim}"
+
+
 @needs_gluon
-@pytest.mark.parametrize("case", DRAWER_DROPOUT_CASES, ids=_drawer_case_id)
-@pytest.mark.parametrize("fused", [False, True], ids=["dq_pass", "fused_dq"])
-def test_gluon_dkdv_dropout_matches_float64(case, fused, monkeypatch):
+@pytest.mark.parametrize("param,fused", [(param, fused) for param in DRAWER_DROPOUT_PARAMS
+                                         for fused in ((False, True) if sm90_dkdv.fuses_dq(param[1]) else (False,))],
+                         ids=lambda x: ("fused_dq" if x else "dq_pass") if isinstance(x, bool) else _drawer_param_id(x))
+def test_gluon_dkdv_dropout_matches_float64(param, fused, monkeypatch):
     # The Gluon dK/dV takes its keep bits from drawer warps as one packed word per consumer thread
     # (sm90_dkdv._keep_drawer, _keep_tile): the pattern that the separate dropout_mask kernel writes must be the one
-    # it applied, with the Gluon dQ pass beside it or dQ added by the kernel itself, whose dS carries the bits (the
-    # forward is the Triton kernel's)
+    # it applied, with the Gluon dQ pass beside it or (head dim 128: sm90_dkdv.fuses_dq) dQ added by the kernel
+    # itself, whose dS carries the bits
+    case, headdim = param
     batch, seqlen_q, seqlen_k, nheads, nheads_k, causal, p, alibi, dtype = case
-    calls = _check_dropout_launches((batch, seqlen_q, seqlen_k, nheads, nheads_k, 128), dtype, causal, p, alibi,
+    calls = _check_dropout_launches((batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim), dtype, causal, p, alibi,
                                     [(sm90_dkdv, "attn_bwd_dkdv"), (sm90_dq, "attn_bwd_dq")],
                                     dict(gluon_dkdv=True, gluon_dq=True, atomic_dq=False, fused_dq=fused), monkeypatch)
     assert sorted(calls) == [("attn_bwd_dkdv", p)] + ([] if fused else [("attn_bwd_dq", p)])
 
 
 @needs_gluon
-@pytest.mark.parametrize("case", DRAWER_DROPOUT_CASES, ids=_drawer_case_id)
-def test_gluon_forward_dropout_matches_float64(case, monkeypatch):
+@pytest.mark.parametrize("param", DRAWER_DROPOUT_PARAMS, ids=_drawer_param_id)
+def test_gluon_forward_dropout_matches_float64(param, monkeypatch):
     # The Gluon forward takes its keep bits from drawer warps as two packed words per consumer thread
     # (sm90_fwd._fwd_keep_drawer, _fwd_keep_tile): the pattern that the separate dropout_mask kernel writes must be
     # the one it applied (the backward is whatever config chooses, and draws the same bits)
+    case, headdim = param
     batch, seqlen_q, seqlen_k, nheads, nheads_k, causal, p, alibi, dtype = case
-    calls = _check_dropout_launches((batch, seqlen_q, seqlen_k, nheads, nheads_k, 128), dtype, causal, p, alibi,
+    calls = _check_dropout_launches((batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim), dtype, causal, p, alibi,
                                     [(sm90_fwd, "attn_fwd")], dict(gluon_fwd=True), monkeypatch)
     assert calls == [("attn_fwd", p)]
 

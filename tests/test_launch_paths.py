@@ -210,19 +210,17 @@ def test_gluon_dkdv_refuses_a_dq_buffer_it_cannot_add_into(headdim, accum_dtype,
                                   dq_accum=accum)
 
 
-@pytest.mark.parametrize("headdim,with_seed", [(64, True), (128, False)], ids=["d64", "no_seed_offset"])
-def test_gluon_dkdv_refuses_dropout_it_cannot_draw(headdim, with_seed):
-    # the drawer warps (sm90_dkdv._keep_drawer) serve head dim 128, from a (seed, offset) tensor; a call outside
-    # that is refused naming the values, before a descriptor is built
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_gluon_dkdv_refuses_dropout_without_seed_offset(headdim):
+    # the drawer warps (sm90_dkdv._keep_drawer) draw from a (seed, offset) tensor; a call without one is refused
+    # naming the values, before a descriptor is built
     from flashpatch.kernels.sm90 import dkdv as sm90_dkdv
 
     q, k, v = random_qkv(1, 17, 17, 2, 1, headdim, torch.float16, requires_grad=False)
     lse = torch.zeros(1, 2, 17)
-    seed_offset = torch.zeros(2, dtype=torch.int64) if with_seed else None
-    refused = "at head dim 64 with seed_offset=tensor|at head dim 128 with seed_offset=None"
-    with pytest.raises(ValueError, match=refused):
+    with pytest.raises(ValueError, match="dropout_p=0.1 with seed_offset=None"):
         sm90_dkdv.attn_bwd_dkdv(q, k, v, q, lse, lse.clone(), k.clone(), v.clone(), 1.0, 1.0, True,
-                                  seed_offset=seed_offset, dropout_p=0.1)
+                                  seed_offset=None, dropout_p=0.1)
 
 
 @pytest.mark.parametrize("kernel", ["dkdv", "dq"])
@@ -247,18 +245,15 @@ def test_gluon_backward_refuses_dropout_on_varlen_batches(kernel):
                                   dropout_p=0.1, varlen=varlen)
 
 
-@pytest.mark.parametrize("headdim,with_seed", [(64, True), (128, False)], ids=["d64", "no_seed_offset"])
-def test_gluon_forward_refuses_dropout_it_cannot_draw(headdim, with_seed):
-    # the forward's drawer warps (sm90_fwd._fwd_keep_drawer) serve head dim 128, from a (seed, offset) tensor, and
-    # `supported` keeps every other dropout call on the Triton kernel; a direct call outside that is refused naming
-    # the values, before a descriptor is built
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_gluon_forward_refuses_dropout_without_seed_offset(headdim):
+    # the forward's drawer warps (sm90_fwd._fwd_keep_drawer) draw from a (seed, offset) tensor; a direct call without
+    # one is refused naming the values, before a descriptor is built
     from flashpatch.kernels.sm90 import fwd as sm90_fwd
 
     q, k, v = random_qkv(1, 17, 17, 2, 1, headdim, torch.float16, requires_grad=False)
-    seed_offset = torch.zeros(2, dtype=torch.int64) if with_seed else None
-    refused = "at head dim 64 with seed_offset=tensor|at head dim 128 with seed_offset=None"
-    with pytest.raises(ValueError, match=refused):
-        sm90_fwd.attn_fwd(q, k, v, torch.empty_like(q), torch.zeros(1, 2, 17), 1.0, True, seed_offset=seed_offset,
+    with pytest.raises(ValueError, match="dropout_p=0.1 with seed_offset=None"):
+        sm90_fwd.attn_fwd(q, k, v, torch.empty_like(q), torch.zeros(1, 2, 17), 1.0, True, seed_offset=None,
                             dropout_p=0.1)
 
 

@@ -72,7 +72,7 @@ def main():
                       HEAD_GROUP=args.head_group, DROPOUT=args.dropout, PERSISTENT=args.persistent)
     else:
         fn, maxnreg = hf.attn_fwd_hopper_kernel, hf.MAXNREG
-        consumers = args.consumers or (2 if args.persistent else hf.CONSUMERS_BY_HEADDIM[d])
+        consumers = args.consumers or (2 if args.persistent or args.dropout else hf.CONSUMERS_BY_HEADDIM[d])
         maxnreg, consumer_regs, worker_regs = hf.dropout_registers()
         if not args.dropout:
             maxnreg, consumer_regs, worker_regs = (hf.MAXNREG if consumers == 2 else hf.MAXNREG_3), 0, 0

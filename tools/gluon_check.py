@@ -66,6 +66,9 @@ SHAPES = {
     "dropc8k": (2, 8192, 8192, 16, 16, 128, True, 0.1),
     "dropf4k": (4, 4096, 4096, 16, 16, 128, False, 0.1),
     "drop2k": (4, 2048, 2048, 16, 4, 128, True, 0.1),  # configs/dropout.yaml's attention
+    "drop64c8k": (2, 8192, 8192, 32, 32, 64, True, 0.1),  # head dim 64 with dropout
+    "drop64f8k": (2, 8192, 8192, 32, 32, 64, False, 0.1),
+    "drop64c2k": (8, 2048, 2048, 12, 4, 64, True, 0.1),  # configs/llama_125m.yaml's heads with dropout
 }
 VARIANTS = {  # name: (Gluon dK/dV (None: config's choice of every kernel), the grid order: options' head_group)
     "default": (None, None),

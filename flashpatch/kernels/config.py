@@ -126,10 +126,11 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
                                 tma=masked and not (dropout and block_d < 64)),
             atomic_dq=False,
             # The Gluon forward (three consumer warpgroups, sm90.fwd.CONSUMERS_BY_HEADDIM) wins with or without the
-            # mask but on short rows; the Gluon dQ loses on dense rows at head dim 64, and on varlen batches runs
-            # with the Gluon dK/dV, which reads the LSE it pads (varlen mix: 282 TFLOP/s fwd+bwd against 254).
-            gluon_fwd=not short,
-            gluon_dq=varlen,
+            # mask but on short rows; with dropout (two consumers beside their drawer warps) only with the mask. The
+            # Gluon dQ loses on dense rows at head dim 64 but with dropout, and on varlen batches runs with the Gluon
+            # dK/dV, which reads the LSE it pads (varlen mix: 282 TFLOP/s fwd+bwd against 254).
+            gluon_fwd=not short and (masked or not dropout),
+            gluon_dq=varlen or dropout,
             # The Gluon dK/dV wins with GQA and without a mask; on short causal rows the Triton one keeps a small
             # lead.
             gluon_dkdv=not (masked and short),

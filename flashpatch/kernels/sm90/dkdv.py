@@ -33,7 +33,7 @@ the other's matmuls (the Triton kernel's CTA barriers forbid that); with it they
 softmaxes. dK and dV are waited for at the end of each step: leaving them in flight into the next made ptxas
 serialize the matmuls (warning C7515) and measured slower (docs/tuning.md, "Gluon dK/dV").
 
-With dropout (head dim 128) the keep bits come from warps of their own, so that the Philox arithmetic runs beside
+With dropout the keep bits come from warps of their own, so that the Philox arithmetic runs beside
 the consumers' matmuls and softmax rather than inside them:
 
   drawer w (2 warps):    per step, the Philox calls of consumer w's (64 keys, 64 queries) tile, at the counters of
@@ -50,7 +50,7 @@ are masked, `_step`'s MASK 3, and not stored; a last query block's rows past seq
 LSE) and varlen batches without dropout (a program per (sequence, key block) pair; the packed rows are the TMA
 views' rows, and each sequence's LSE and delta rows are padded the same way, from an aligned start), bf16/fp16,
 head dim 64 or 128, causal (bottom-right aligned) or no mask, ALiBi slopes or none (each step takes its query head's
-slope), dropout at head dim 128 on dense rows, no window or softcap. Everything else, and every machine that is not
+slope), dropout on dense rows, no window or softcap. Everything else, and every machine that is not
 sm_90 with Gluon, keeps the Triton kernel.
 """
 
@@ -689,21 +689,21 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
               max_seqlen_q: int, max_seqlen_k: int, window_left: int, window_right: int, softcap: float,
               dropout_p: float) -> bool:
     """Whether this kernel covers the call: sm_90 with Gluon, dense rows of any lengths or varlen batches,
-    bf16/fp16, head dim 64 or 128, causal or unmasked, dropout at head dim 128 on dense rows, softcap without
+    bf16/fp16, head dim 64 or 128, causal or unmasked, dropout on dense rows, softcap without
     dropout (`_step`). Anything else keeps the Triton kernel."""
     return sm90_dense_ok(q, k, v, dout, varlen=varlen, window_left=window_left, window_right=window_right,
-                         softcap=softcap, dropout_p=dropout_p, with_dropout=q.shape[-1] == 128 and not varlen,
+                         softcap=softcap, dropout_p=dropout_p, with_dropout=not varlen,
                          with_varlen=True, with_window=True, with_softcap=dropout_p == 0)
 
 
-def register_kv(headdim: int) -> bool:
+def register_kv(headdim: int, dropout: bool = False) -> bool:
     """Whether `_consumer` holds its K and V rows in registers, so that the K Qᵀ and V dOᵀ matmuls read only Qᵀ
     and dOᵀ from shared memory (from shared memory, an m64n64 wgmma needs both operands' 4 KB per 32 cycles, the
     shared memory's whole 128 B per cycle). At head dim 64 that is 32 registers a thread; at head dim 128, 64
     registers, and the kernel spills. Under the causal mask it runs as two loops per head (`_consumer`), since
-    skipping the mask by a branch inside the step miscompiled with K and V in registers (docs/tuning.md, "Gluon
-    dK/dV")."""
-    return headdim <= 64
+    skipping the mask by a branch inside the step miscompiled with K and V in registers; with dropout, unmasked rows
+    came out with wrong dK the same way, and K and V from shared memory tie (docs/tuning.md, "Gluon dK/dV")."""
+    return headdim <= 64 and not dropout
 
 
 def lse_first(headdim: int) -> bool:
@@ -766,7 +766,7 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     (ops.attn_bwd_impl); qk_scale = softmax_scale * log2(e); alibi_slopes: None or float32 (H,) / (B, H).
     dq_accum: None, or a zeroed fp32 (B, Sq, H, D) that dQ is added into (where `fuses_dq`; not deterministic: the
     key blocks' reduce-adds land in any order). dropout_p > 0: the forward's keep bits, drawn from seed_offset
-    (ops.draw_seed_offset's int64 (seed, offset)); head dim 128. options: its register_kv, dkdv_consumer_registers,
+    (ops.draw_seed_offset's int64 (seed, offset)). options: its register_kv, dkdv_consumer_registers,
     head_group and cached_launch. stream: a raw CUDA stream handle to launch on (None: the
     current stream). site: launch.launch's, passed on. window_left >= 0: a causal sliding window (fwd.attn_fwd's),
     no dropout. cap_log2 > 0: softcap (fwd.attn_fwd's), without dropout.
@@ -798,9 +798,9 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     dropout = dropout_p > 0
     if fused and not fuses_dq(headdim):
         raise ValueError(f"the Gluon dK/dV adds dQ itself only where fuses_dq (head dim 128), not at {headdim}")
-    if dropout and (headdim != 128 or seed_offset is None):
-        raise ValueError(f"the Gluon dK/dV draws dropout at head dim 128 from a seed_offset tensor, not at head dim "
-                         f"{headdim} with seed_offset={seed_offset!r}")
+    if dropout and seed_offset is None:
+        raise ValueError(f"the Gluon dK/dV draws dropout from a seed_offset tensor, got dropout_p={dropout_p} with "
+                         f"seed_offset=None")
     if fused and (dq_accum.dtype != torch.float32 or dq_accum.shape != q.shape):
         raise ValueError(f"dq_accum must be float32 shaped like q {tuple(q.shape)}, got {dq_accum.dtype} "
                          f"{tuple(dq_accum.shape)}")
@@ -830,7 +830,7 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
         CAUSAL=causal, KEY_TAIL=varlen is not None or seqlen_k % BLOCK_N != 0, HEADDIM=headdim, BLOCK_M=block_m,
         HALF_N=HALF_N, STAGES=STAGES, HEAD_GROUP=order,
         ALIBI=alibi_slopes is not None, SOFTCAP=cap_log2 > 0,
-        REG_KV=register_kv(headdim) if reg_kv is None else reg_kv,
+        REG_KV=register_kv(headdim, dropout) if reg_kv is None else reg_kv,
         LSE_FIRST=lse_first(headdim),
         CONSUMER_REGS=consumer_registers(headdim, dropout) if consumer_regs is None else consumer_regs,
         PRODUCER_REGS=worker_registers(dropout), FUSED_DQ=fused, DROPOUT=dropout, VARLEN=varlen is not None,

@@ -24,7 +24,7 @@ block's steps. Under a causal mask its programs take their blocks from a table b
 one matmul (`_fwd_block_pipelined`): a step issues the previous block's P V and then its own S = Q Kᵀ and waits for
 both, so the tensor core runs them back to back. docs/tuning.md ("Gluon forward") has the measurements.
 
-With dropout (head dim 128, one program per query block) the keep bits come from warps of their own, as in dkdv.py's
+With dropout (two consumers, one program per query block) the keep bits come from warps of their own, as in dkdv.py's
 backward, so that the Philox arithmetic runs beside the consumers' matmuls and softmax:
 
   drawer w (4 warps):    per step, the Philox calls of consumer w's (64 queries, 128 keys) tile at the counters of
@@ -63,9 +63,9 @@ BLOCK_N = 128  # keys per step
 STAGES = 2  # K/V ring depth
 MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
 MAXNREG_3 = 128  # three consumers: 13 warps, launched as 16 (a multiple of 4): 16 x 32 x 128 = 64K
-# Dropout (head dim 128, the grid of one program per query block): two drawer partitions of DRAWER_WARPS warps each
-# (`_fwd_keep_drawer`) draw each consumer's keep bits beside its matmuls, as dkdv.py's drawers do for the backward;
-# `dropout_registers` splits the register file. Four warps each beat two (docs/tuning.md, the dropout forward).
+# Dropout (two consumers at either head dim, the grid of one program per query block): two drawer partitions of
+# DRAWER_WARPS warps each (`_fwd_keep_drawer`) draw each consumer's keep bits beside its matmuls, as dkdv.py's drawers
+# do for the backward; `dropout_registers` splits the register file. Four warps each beat two (docs/tuning.md, the dropout forward).
 DRAWER_WARPS = 4
 KEEP_SLOTS = 2  # each consumer's ring of keep words
 
@@ -509,7 +509,7 @@ def attn_fwd_hopper_kernel(
     q_row = q_base + off_h * q_rows[1] + m0
     k_row = k_base + off_hk * k_rows[1]
     v_row = v_base + off_hk * v_rows[1]
-    if DROPOUT:  # head dim 128, two consumers (`attn_fwd`)
+    if DROPOUT:  # two consumers at either head dim (`attn_fwd`)
         keep_parts = (keep_bufs, keep_full, keep_empty)
         drawer_args = (keep_bufs, keep_full, keep_empty, SEED_OFFSET, dropout_p, off_b, nheads, off_h, seqlen_q,
                        seqlen_k, m0, n_steps)
@@ -611,11 +611,11 @@ def dropout_registers() -> tuple[int, int, int]:
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool, max_seqlen_q: int,
               max_seqlen_k: int, window_left: int, window_right: int, softcap: float, dropout_p: float) -> bool:
-    """Whether this kernel covers the call: common.sm90_dense_ok, with dropout at head dim 128 on dense rows, and
+    """Whether this kernel covers the call: common.sm90_dense_ok, with dropout on dense rows, and
     varlen batches without dropout (`attn_fwd_varlen`). Any lengths: a last query block past seqlen_q computes rows
     that are never stored, and a last key block past seqlen_k is masked (common.key_limit)."""
     return sm90_dense_ok(q, k, v, varlen=varlen, window_left=window_left, window_right=window_right, softcap=softcap,
-                         dropout_p=dropout_p, with_dropout=q.shape[-1] == 128 and not varlen, with_varlen=True,
+                         dropout_p=dropout_p, with_dropout=not varlen, with_varlen=True,
                          with_window=True, with_softcap=True)
 
 
@@ -662,7 +662,7 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
              window_left: int = -1, cap_log2: float = 0.0) -> None:
     """out (B, Sq, H, D) and lse (B, H, Sq, float32, natural log) for a call `supported` accepted; q: (B, Sq, H, D),
     k, v: (B, Sk, Hk, D); qk_scale = softmax_scale * log2(e); alibi_slopes: None or float32 (H,) / (B, H); fold:
-    config.KernelConfigs.fold_scale (`_softmax_update`, which ignores it with ALiBi). dropout_p > 0: head dim 128,
+    config.KernelConfigs.fold_scale (`_softmax_update`, which ignores it with ALiBi). dropout_p > 0: two consumers,
     the keep bits drawn from seed_offset (ops.draw_seed_offset's int64 (seed, offset)) at triton.common.dropout_keep's
     counters, on the grid of one program per query block (the persistent one has no drawers). options: its
     persistent_fwd, causal_schedule, head_group and cached_launch. site: launch.launch's, for the arguments that
@@ -673,9 +673,9 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     dropout = dropout_p > 0
-    if dropout and (headdim != 128 or seed_offset is None):
-        raise ValueError(f"the Gluon forward draws dropout at head dim 128 from a seed_offset tensor, not at head dim "
-                         f"{headdim} with seed_offset={seed_offset!r}")
+    if dropout and seed_offset is None:
+        raise ValueError(f"the Gluon forward draws dropout from a seed_offset tensor, got dropout_p={dropout_p} with "
+                         f"seed_offset=None")
     window = window_left >= 0
     if window and (dropout or not causal):
         raise ValueError(f"the Gluon forward runs a sliding window only causal and without dropout, got "
@@ -686,7 +686,7 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
         persistent = persistent_grid("fwd", cdiv(seqlen_q, BLOCK_M), headdim)
     else:
         persistent = options.persistent_fwd
-    consumers = 2 if persistent else CONSUMERS_BY_HEADDIM[headdim]
+    consumers = 2 if persistent or dropout else CONSUMERS_BY_HEADDIM[headdim]  # the drawers serve two
     block_m = consumers * HALF_M  # three consumers: the last block may run past seqlen_q (masked stores)
     q_desc, q_rows, q_cols = descriptor(q, BLOCK_M if consumers == 2 else HALF_M)  # the kernel's Q_TILES
     k_desc, k_rows, k_cols = descriptor(k, BLOCK_N)
