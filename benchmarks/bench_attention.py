@@ -114,6 +114,11 @@ def build_cases(quick: bool, seqlens: tuple[int, ...] | None = None) -> list[Cas
         cases.append(Case("d128 window 4096 GQA 32/8 N=16384", 1, 32, 8, 16384, 128, True, window=4096))
         cases.append(Case("d128 window 1024 N=8192", 2, 16, 16, 8192, 128, True, window=1024))
         cases.append(Case("d128 causal softcap 50 N=8192", 2, 16, 16, 8192, 128, True, softcap=50.0))
+        # dropout against the same calls without it (d128 causal above): full rows, and head dim 64
+        cases.append(Case("d128 full dropout0.1 N=8192", 2, 16, 16, 8192, 128, False, dropout=0.1))
+        for causal in (True, False):
+            mask = "causal" if causal else "full"
+            cases.append(Case(f"d64 {mask} dropout0.1 N=8192", 2, 32, 32, 8192, 64, causal, dropout=0.1))
     lens = varlen_lengths()
     cases.append(Case(f"d128 varlen {len(lens)} docs 64..4096", len(lens), 16, 16, max(lens), 128, True, 0.0, lens))
     if not quick:
