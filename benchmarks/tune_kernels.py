@@ -41,6 +41,12 @@ FWD = {
           ("fwd 128x128 w8 s2", lambda c: dict(fwd=replace(c.fwd, block_n=128, num_stages=2))),
           ("fwd 128x64 w4 s3", lambda c: dict(fwd=replace(c.fwd, block_n=64, num_warps=4))),
           ("fwd 64x64 w4 s3", lambda c: dict(fwd=replace(c.fwd, block_m=64, block_n=64, num_warps=4)))],
+    # head dim 256: a (rows, 256) fp32 accumulator takes rows * 256 / threads registers a thread; the tiles below
+    # are those that ptxas (tools/dump_ir.py --headdim 256) compiles without spilling more than a few bytes
+    256: [("current", lambda c: {}),
+          ("fwd 128x32 w8 s2", lambda c: dict(fwd=L(128, 32, 8, 2, c.fwd.blocks_fastest))),
+          ("fwd 128x64 w8 s2", lambda c: dict(fwd=L(128, 64, 8, 2, c.fwd.blocks_fastest))),
+          ("fwd 64x32 w4 s3", lambda c: dict(fwd=L(64, 32, 4, 3, c.fwd.blocks_fastest)))],
 }
 BWD = {
     64: [("current", lambda c: {}),
@@ -72,6 +78,15 @@ BWD = {
           ("dkdv 64x64 w4 s3 TMA dp first", lambda c: dict(bwd_dkdv=L(64, 64, 4, 3, c.bwd_dkdv.blocks_fastest, True,
                                                                        dp_first=True))),
           ("current, again", lambda c: {})],  # drift within the run
+    # head dim 256: dK and dV accumulators of (keys, 256) fp32 each, 2 * keys * 256 / threads registers a thread
+    256: [("current", lambda c: {}),
+          ("dkdv 16x64 w8 s2", lambda c: dict(bwd_dkdv=L(16, 64, 8, 2, c.bwd_dkdv.blocks_fastest))),
+          ("dkdv 16x64 w8 s3", lambda c: dict(bwd_dkdv=L(16, 64, 8, 3, c.bwd_dkdv.blocks_fastest))),
+          ("dkdv 16x32 w4 s3", lambda c: dict(bwd_dkdv=L(16, 32, 4, 3, c.bwd_dkdv.blocks_fastest))),
+          ("dq 128x32 w8 s2", lambda c: dict(bwd_dq=L(128, 32, 8, 2, c.bwd_dq.blocks_fastest))),
+          ("dq 128x16 w8 s2", lambda c: dict(bwd_dq=L(128, 16, 8, 2, c.bwd_dq.blocks_fastest))),
+          ("dq 64x32 w4 s2", lambda c: dict(bwd_dq=L(64, 32, 4, 2, c.bwd_dq.blocks_fastest))),
+          ("current, again", lambda c: {})],
 }
 
 # --dropout P: attention dropout at d128. The forward draws the keep bits with ALU work that the matmuls do not

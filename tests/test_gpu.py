@@ -30,6 +30,7 @@ GRID = [
     (1, 4096, 4096, 4, 1, 64, {"window_size": (511, 0)}),
     (2, 1024, 1024, 4, 2, 128, {"softcap": 30.0, "causal": True}),
     (1, 1024, 1024, 2, 2, 256, {"causal": True}),
+    (1, 1000, 1531, 4, 2, 256, {"softcap": 50.0, "window_size": (255, 0)}),  # Gemma-2-style attention, ragged
     (3, 777, 777, 4, 4, 64, {"dropout_p": 0.1, "causal": True}),
     (2, 1024, 1024, 8, 2, 128, {"dropout_p": 0.1}),  # unmasked d128 dropout: its own forward tile (shared memory)
     (1, 1000, 1531, 4, 4, 96, {"dropout_p": 0.2, "window_size": (255, 64)}),

@@ -172,7 +172,16 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
             gluon_dq=True,
             fused_dq=long_keys,
         )
-    else:  # head dim 256: register pressure; small tiles (not yet tuned)
+    elif headdim == 256:
+        # Head dim 256 (docs/tuning.md, "d256 tiles"): the tiles whose (rows, 256) fp32 accumulators fit the
+        # registers, 64 rows a warpgroup; the dK/dV's dK and dV take 64 keys over two warpgroups.
+        cfg = KernelConfigs(
+            fwd=LaunchConfig(128, 64, num_warps=8, num_stages=2, blocks_fastest=True),
+            bwd_dkdv=LaunchConfig(16, 64, num_warps=8, num_stages=3, blocks_fastest=bwd_blocks_fastest),
+            bwd_dq=LaunchConfig(64, 32, num_warps=4, num_stages=2, blocks_fastest=bwd_blocks_fastest),
+            atomic_dq=False,
+        )
+    else:  # head dims 129-255, padded to 256: small tiles, not measured or GPU-tested with head dim 256's
         cfg = KernelConfigs(
             fwd=LaunchConfig(64, 32, num_warps=4, num_stages=2, blocks_fastest=True),
             bwd_dkdv=LaunchConfig(16, 64, num_warps=4, num_stages=1, blocks_fastest=bwd_blocks_fastest),
