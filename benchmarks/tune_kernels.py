@@ -1,6 +1,6 @@
 """Time flashpatch's launch configurations against each other on the GPU (one run, medians of do_bench).
 
-    python benchmarks/tune_kernels.py [--out DIR] [--headdim 64] [--seqlens 8192] [--heads H --kv-heads HK]
+    python benchmarks/tune_kernels.py [--out DIR] [--headdim {64,128,256}] [--seqlens 8192] [--heads H --kv-heads HK]
                                    [--batch B] [--masks causal,full] [--dropout P] [--skip-bwd] [--match REGEX]
 
 Dense bf16, by default B*N = 16k tokens, H*D = 2048, causal and full. Forward configs and backward configs

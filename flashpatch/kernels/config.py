@@ -80,7 +80,8 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
     """Launch settings measured by benchmarks/tune_kernels.py (bf16, B*N = 16k, H*D = 2048; docs/tuning.md, by head
     dim and case). `masked`: causal or windowed, where the forward prefers narrower key tiles (less work wasted on
     the diagonal) and the d64 dK/dV kernel a deeper pipeline. `dropout`: the unmasked d128 forward keeps the narrow
-    key tile too (the 128-wide one ties with spills and 229 KB of shared memory).
+    key tile too (the 128-wide one ties with spills and 229 KB of shared memory); at d64 the Gluon dQ runs, and the
+    Gluon forward only with a mask.
     `aligned` (ops._aligned): dense rows whose lengths every tile divides, so the loads carry no bounds masks; some
     tiles win only then and lose on varlen batches (benchmarks/tune_varlen.py).
     `short`: at most SHORT queries, where a grid of 128-row tiles leaves too few programs to fill the SMs evenly.
