@@ -65,7 +65,8 @@ MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to th
 MAXNREG_3 = 128  # three consumers: 13 warps, launched as 16 (a multiple of 4): 16 x 32 x 128 = 64K
 # Dropout (two consumers at either head dim, the grid of one program per query block): two drawer partitions of
 # DRAWER_WARPS warps each (`_fwd_keep_drawer`) draw each consumer's keep bits beside its matmuls, as dkdv.py's drawers
-# do for the backward; `dropout_registers` splits the register file. Four warps each beat two (docs/tuning.md, the dropout forward).
+# do for the backward; `dropout_registers` splits the register file. Four warps each beat two (docs/tuning.md, the
+# dropout forward).
 DRAWER_WARPS = 4
 KEEP_SLOTS = 2  # each consumer's ring of keep words
 

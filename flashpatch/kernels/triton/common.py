@@ -230,8 +230,8 @@ def dropout_keep(seed, offset, rows0, n0, max_seqlen_k, dropout_p, BLOCK_M: tl.c
     rows0 = dropout_head_rows(...) + m0 // 2; m0, n0 and both block sizes are multiples of 16.
 
     The generator is Philox4x32-7 (`philox4x32`), keyed by the 64-bit seed. Each call yields eight 16-bit decisions,
-    for the eight (query, key) pairs that differ only in bit 3 of the query and bits 0 and 3 of the key. For query i and key j of head h (h counts batch entries times heads) the call's 64-bit counter
-    (words c0, c1) is
+    for the eight (query, key) pairs that differ only in bit 3 of the query and bits 0 and 3 of the key. For query i
+    and key j of head h (h counts batch entries times heads) the call's 64-bit counter (words c0, c1) is
         offset + (h * 8 * ceil(max_seqlen_q / 16) + i') * 4 * ceil(max_seqlen_k / 16) + j',
     i' = i without bit 3, j' = j without bits 0 and 3; the decision is output word 2 * i[3] + j[3], its low half
     for even j and high half for odd j. The bits depend on no block size, grid or layout, so packed and padded
