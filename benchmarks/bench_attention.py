@@ -119,6 +119,10 @@ def build_cases(quick: bool, seqlens: tuple[int, ...] | None = None) -> list[Cas
         for causal in (True, False):
             mask = "causal" if causal else "full"
             cases.append(Case(f"d64 {mask} dropout0.1 N=8192", 2, 32, 32, 8192, 64, causal, dropout=0.1))
+        # head dim 256 at the Gemma-2 shape: causal, and with its window and softcap
+        cases.append(Case("d256 causal GQA 8/4 N=8192", 2, 8, 4, 8192, 256, True))
+        cases.append(Case("d256 window 4096 softcap 50 GQA 8/4 N=8192", 2, 8, 4, 8192, 256, True, window=4096,
+                          softcap=50.0))
     lens = varlen_lengths()
     cases.append(Case(f"d128 varlen {len(lens)} docs 64..4096", len(lens), 16, 16, max(lens), 128, True, 0.0, lens))
     if not quick:
