@@ -61,7 +61,7 @@ def main():
                  "lse_desc": vec, "delta_desc": vec}
         consts = dict(CAUSAL=args.causal, HEADDIM=d, BLOCK_M=bm, HALF_N=hk.HALF_N,
                       STAGES=args.stages or hk.STAGES,
-                      HEAD_GROUP=args.head_group, REG_KV=hk.register_kv(d), LSE_FIRST=hk.lse_first(d),
+                      HEAD_GROUP=args.head_group, REG_KV=hk.register_kv(d, args.dropout), LSE_FIRST=hk.lse_first(d),
                       CONSUMER_REGS=hk.consumer_registers(d, args.dropout),
                       PRODUCER_REGS=hk.worker_registers(args.dropout), FUSED_DQ=False, DROPOUT=args.dropout, KEY_TAIL=args.key_tail or args.varlen)
     elif args.kernel == "dq":
