@@ -308,9 +308,7 @@ def test_gluon_dkdv_kv_forms_match_triton_bitwise_bf16(case, register_kv, monkey
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order = case
     q, k, v = _gluon_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, order, torch.bfloat16)
     dout = torch.randn(batch, seqlen_q, nheads, headdim, device="cuda", dtype=torch.bfloat16)
-    calls = []
-    launch = sm90_dkdv.attn_bwd_dkdv
-    monkeypatch.setattr(sm90_dkdv, "attn_bwd_dkdv", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    calls = _record_launches(monkeypatch, [(sm90_dkdv, "attn_bwd_dkdv")])
     grads = {}
     for gluon in (False, True):
         with kernel_options.override(gluon_fwd=False, gluon_dkdv=gluon, gluon_dq=False, register_kv=register_kv):
@@ -565,11 +563,8 @@ def test_gluon_varlen_matches_float64(case, dtype, dq_form, monkeypatch):
     # into the next one's.
     if dq_form == "fused_dq" and not sm90_dkdv.fuses_dq(case["headdim"]):
         pytest.skip(f"the Gluon dK/dV fuses dQ at head dim 128, not {case['headdim']}")
-    calls = []
-    for module, name in ((sm90_fwd, "attn_fwd_varlen"), (sm90_dkdv, "attn_bwd_dkdv"), (sm90_dq, "attn_bwd_dq")):
-        launch = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _launch=launch, _name=name, **kw: calls.append(
-            (_name, kw.get("varlen") is not None or _name == "attn_fwd_varlen")) or _launch(*a, **kw))
+    launches = _record_launches(monkeypatch, [(sm90_fwd, "attn_fwd_varlen"), (sm90_dkdv, "attn_bwd_dkdv"),
+                                              (sm90_dq, "attn_bwd_dq")], "varlen")
     lengths_q = case["lengths_q"]
     lengths_k = case.get("lengths_k", lengths_q)
     nheads, nheads_k = case["heads"]
@@ -582,6 +577,8 @@ def test_gluon_varlen_matches_float64(case, dtype, dq_form, monkeypatch):
         out = flashpatch.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
+    # (launcher, whether it ran the varlen form: the backward's take a varlen table, attn_fwd_varlen is one)
+    calls = [(name, varlen is not None or name == "attn_fwd_varlen") for name, varlen in launches]
     expected = [("attn_fwd_varlen", True), ("attn_bwd_dkdv", True)] + ([] if fused else [("attn_bwd_dq", True)])
     assert sorted(calls) == sorted(expected), calls
     check_against_reference(out, grads, q, k, v, dout, reference=varlen_attention_reference, ref_args=(cu_q, cu_k),
