@@ -79,8 +79,55 @@ def pad_input(
 ) -> torch.Tensor:
     """Inverse of `unpad_input`: scatter tokens back to (batch, seqlen, ...), zeros at padding."""
     out = unpadded.new_zeros(batch * seqlen, *unpadded.shape[1:])
-    out = out.index_put((indices,), unpadded)  # out-of-place, so autograd flows to `unpadded`
+    out[indices] = unpadded  # in place on a fresh tensor: no copy of it, and autograd still reaches `unpadded`
     return out.reshape(batch, seqlen, *unpadded.shape[1:])
+
+
+class RowIndex:
+    """The real tokens of a (B, S) padding mask as (batch index, position) pairs: `gather_rows` and `scatter_rows`
+    move rows of (B, S, ...) tensors of any strides with them, where flattening (B, S) would first copy a view such
+    as (B, S, H, D) of (B, H, S, D) memory."""
+
+    def __init__(self, indices: torch.Tensor, seqlen: int):  # indices: (T,) int64 flat positions in B * S
+        self.batch_index = torch.div(indices, seqlen, rounding_mode="floor")  # (T,)
+        self.position = indices - self.batch_index * seqlen  # (T,)
+
+
+class _GatherRows(torch.autograd.Function):
+    """(B, S, ...) tensors -> their rows at `index`, (T, ...) each. Backward: each gradient scattered into zeros laid
+    out like its input (no sort: the rows are distinct, so nothing accumulates)."""
+
+    @staticmethod
+    def forward(ctx, index: RowIndex, *tensors):
+        ctx.index = index
+        ctx.inputs = [(t.shape, t.stride(), t.dtype, t.device) for t in tensors]
+        return tuple(t[index.batch_index, index.position] for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        index = ctx.index
+        out = [None]
+        for grad, (shape, stride, dtype, device), needed in zip(grads, ctx.inputs, ctx.needs_input_grad[1:]):
+            if grad is None or not needed:
+                out.append(None)
+                continue
+            full = torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+            full.index_put_((index.batch_index, index.position), grad)
+            out.append(full)
+        return tuple(out)
+
+
+def gather_rows(index: RowIndex, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each (B, S, ...) tensor's rows at `index`: (T, ...), contiguous; differentiable."""
+    return _GatherRows.apply(index, *tensors)
+
+
+def scatter_rows(rows: torch.Tensor, index: RowIndex, batch: int, seqlen: int) -> torch.Tensor:
+    """(T, ...) rows -> (batch, seqlen, ...) with zeros where `index` has no row; differentiable (its backward
+    gathers)."""
+    out = rows.new_zeros(batch, seqlen, *rows.shape[1:])
+    out[index.batch_index, index.position] = rows
+    return out
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:

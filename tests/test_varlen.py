@@ -132,6 +132,41 @@ def test_unpad_pad_round_trip_left_padding():
     torch.testing.assert_close(back, hidden * mask[..., None])
 
 
+
+def test_row_gather_and_scatter_match_flat_indexing_in_the_inputs_memory_order():
+    """The padded path's row moves (padding.gather_rows / scatter_rows) against indexing a flattened copy: same
+    values, same gradients, and each gradient laid out like its input (a (B, S, H, D) view of (B, H, S, D) memory, as
+    transformers hands over q, k and v), with zeros at padding. Queries fewer than keys (a KV cache) index their own
+    rows."""
+    from flashpatch.padding import RowIndex, gather_rows, padding_layout, scatter_rows
+
+    torch.manual_seed(3)
+    batch, seqlen, nheads, headdim = 3, 9, 2, 4
+    mask = torch.ones(batch, seqlen, dtype=torch.bool)
+    mask[0, 6:] = False  # right padding
+    mask[2, :4] = False  # left padding
+    for q_len in (seqlen, 5):
+        keys, _, _ = padding_layout(mask)
+        queries, _, _ = padding_layout(mask[:, -q_len:])
+        memory = [torch.randn(batch, h, s, headdim, dtype=torch.float64, requires_grad=True)
+                  for h, s in ((nheads, q_len), (1, seqlen), (1, seqlen))]  # (B, H, S, D)
+        q, k, v = (t.transpose(1, 2) for t in memory)  # (B, S, H, D) views
+        (q_rows,) = gather_rows(RowIndex(queries, q_len), q)
+        k_rows, v_rows = gather_rows(RowIndex(keys, seqlen), k, v)
+        expected = [t.reshape(-1, *t.shape[2:])[i] for t, i in ((q, queries), (k, keys), (v, keys))]
+        weights = [torch.randn_like(t) for t in expected]
+        grads = torch.autograd.grad([(a * w).sum() for a, w in zip((q_rows, k_rows, v_rows), weights)], memory)
+        grads_expected = torch.autograd.grad([(a * w).sum() for a, w in zip(expected, weights)], memory)
+        for got, want in zip((q_rows, k_rows, v_rows), expected):
+            assert got.is_contiguous() and torch.equal(got, want)
+        for got, want, t in zip(grads, grads_expected, memory):
+            assert got.stride() == t.stride() and torch.equal(got, want)
+        out = scatter_rows(q_rows, RowIndex(queries, q_len), batch, q_len)  # (B, Sq, H, D)
+        assert torch.equal(out, flashpatch.pad_input(q_rows, queries, batch, q_len))
+        assert not out[~mask[:, -q_len:]].any()
+        (grad,) = torch.autograd.grad((out * 2).sum(), q_rows)
+        assert torch.equal(grad, torch.full_like(grad, 2.0))
+
 BAD_CU = [
     (lambda cu: cu.long(), TypeError, "int32"),
     (lambda cu: cu[None], ValueError, "1-D"),

@@ -24,7 +24,7 @@ from flashpatch import interface as _kernels
 from flashpatch.integrations.hf_fallback import masked_attention
 from flashpatch.integrations.hf_masks import fpatch_mask
 from flashpatch.memo import once_per_tensor
-from flashpatch.padding import max_seqlen_from_cu_seqlens, pad_input, padding_layout
+from flashpatch.padding import RowIndex, gather_rows, max_seqlen_from_cu_seqlens, padding_layout, scatter_rows
 
 ATTN_IMPLEMENTATION = "fpatch"
 
@@ -107,16 +107,19 @@ def _varlen_from_kwargs(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, int, 
 
 
 def _padding_layouts(mask: torch.Tensor, k_len: int, q_len: int):
-    """mask (B, Sm), nonzero = real -> ((indices, cu_seqlens, max_seqlen) for the keys, the same for the queries)."""
+    """mask (B, Sm), nonzero = real -> ((RowIndex, cu_seqlens, max_seqlen) for the keys, the same for the queries)."""
     if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
         raise ValueError(
             "flashpatch: a 2-D attention mask must be a 0/1 padding mask (1 = real token); got other values. "
             "Pass additive masks as 4-D."
         )
     padding = mask.bool()[:, -k_len:]
-    keys = padding_layout(padding)
-    queries = keys if q_len == k_len else padding_layout(padding[:, -q_len:])
-    return keys, queries
+    indices, cu, longest = padding_layout(padding)
+    keys = (RowIndex(indices, k_len), cu, longest)
+    if q_len == k_len:
+        return keys, keys
+    indices, cu, longest = padding_layout(padding[:, -q_len:])
+    return keys, (RowIndex(indices, q_len), cu, longest)
 
 
 def _attend_rows(q, k, v, cu_q, cu_k, max_q, max_k, flash_kwargs: dict) -> torch.Tensor:
@@ -153,11 +156,13 @@ def _run_padded(q, k, v, mask: torch.Tensor, flash_kwargs: dict) -> torch.Tensor
     if k.shape[1] > mask.shape[1]:  # static cache: slots past the mask were never written
         k, v = k[:, : mask.shape[1]], v[:, : mask.shape[1]]
     layouts = once_per_tensor(mask, ("padding", k.shape[1], q_len), lambda: _padding_layouts(mask, k.shape[1], q_len))
-    (indices_k, cu_k, max_k), (indices_q, cu_q, max_q) = layouts
-    q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))  # (B * S, H, D)
-    q, k, v = q[indices_q], k[indices_k], v[indices_k]  # (T, H, D)
+    (rows_k, cu_k, max_k), (rows_q, cu_q, max_q) = layouts
+    if rows_q is rows_k:
+        q, k, v = gather_rows(rows_q, q, k, v)  # (T, H, D), (T, Hk, D) x 2: one autograd node, no copies
+    else:
+        (q,), (k, v) = gather_rows(rows_q, q), gather_rows(rows_k, k, v)
     out = _kernels.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **flash_kwargs)  # (Tq, H, D)
-    return pad_input(out, indices_q, batch, q_len)
+    return scatter_rows(out, rows_q, batch, q_len)
 
 
 @torch.compiler.disable
