@@ -20,7 +20,8 @@ from flashpatch.kernels.triton.common import (
     key_block_range, load_tile, query_block_program, query_block_range, seq_bounds, tanh, visible)
 
 
-@triton.jit(do_not_specialize=["max_seqlen_q", "stride_lse_b", "stride_lse_h"])
+@triton.jit(do_not_specialize=["max_seqlen_q", "padded_rows", "stride_lse_b", "stride_lse_h", "stride_lse_in_b",
+                            "stride_lse_in_h"])
 def attn_bwd_preprocess_kernel(
     O, DO, DELTA, LSE, LSE_PADDED, CU_SEQLENS_Q,
     stride_ob, stride_os, stride_oh,
