@@ -14,6 +14,7 @@ versions can be profiled on one GPU in one call. On a machine without CUDA it pr
 """
 
 import argparse
+import bisect
 import json
 import sys
 import tempfile
@@ -105,9 +106,11 @@ def main():
     for name, ms in per_kernel.items():
         by_kind[kind_of(name)] += ms
     total = sum(by_kind.values())
+    launches = sum(1 for e in prof.events() if (is_kernel(e) if cuda else False)) / steps
     what = "GPU kernel time" if cuda else "host self time"
     wall = f" (wall {wall_ms:.1f} ms per step unprofiled)" if cuda else ""
-    print(f"{impl}, {cfg.name}, {steps} steps: {what} {total:.1f} ms per step{wall}", flush=True)
+    print(f"{impl}, {cfg.name}, {steps} steps: {what} {total:.1f} ms per step{wall}"
+          + (f", {launches:.0f} kernels per step" if cuda else ""), flush=True)
     for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:12s} {ms:9.2f} ms  {100 * ms / total:5.1f}%")
     # Host syncs: each drains the GPU's queue, and the GPU then idles while the host launches the next kernels.
@@ -123,6 +126,17 @@ def main():
         print(f"  {ms:9.3f} ms  [{kind_of(name)}] {name[:110]}")
     if cuda:
         report_idle(prof, steps, args.top)
+        report_host_ops(prof, steps, args.top)
+
+
+def report_host_ops(prof, steps: int, top: int) -> None:
+    """The host ops with the most time per step, inclusive (what a call costs the host with everything it runs) and
+    self (its own share), with calls per step: where a host-bound step's time goes, op by op."""
+    averages = [a for a in prof.key_averages() if a.device_type != torch.autograd.DeviceType.CUDA]
+    for label, key in (("inclusive", "cpu_time_total"), ("self", "self_cpu_time_total")):
+        print(f"host ops by {label} time, ms per step (calls per step):")
+        for a in sorted(averages, key=lambda a: -getattr(a, key))[:top]:
+            print(f"  {getattr(a, key) / steps / 1000.0:8.2f} ms  ({a.count / steps:6.0f})  {a.key[:100]}")
 
 
 def is_kernel(event) -> bool:
@@ -146,16 +160,35 @@ def report_idle(prof, steps: int, top: int) -> None:
     for e in events:
         if e.get("cat") == "cpu_op":
             ops_by_thread[e["tid"]].append(e)
-    for ops in ops_by_thread.values():
+    starts_by_thread, top_by_thread = {}, {}
+    for tid, ops in ops_by_thread.items():
         ops.sort(key=lambda e: (e["ts"], -e["dur"]))
+        starts_by_thread[tid] = [e["ts"] for e in ops]
+        outer, end = [], float("-inf")  # the outermost ops: those no earlier op contains
+        for e in ops:
+            if e["ts"] >= end:
+                outer.append(e)
+                end = e["ts"] + e["dur"]
+        top_by_thread[tid] = (outer, [e["ts"] for e in outer])
 
     def host_op(launch) -> str:
-        around = [e for e in ops_by_thread.get(launch["tid"], ())
-                  if e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]]  # outermost first
-        if not around:
+        """The outermost and innermost host ops around a launch; a bisection each (a step has ~10^5 ops)."""
+        tid, ts = launch["tid"], launch["ts"]
+        if tid not in ops_by_thread:
             return "?"
-        names = list(dict.fromkeys([around[0]["name"], around[-1]["name"]]))
-        return " > ".join(names)
+        outer, outer_starts = top_by_thread[tid]
+        i = bisect.bisect_right(outer_starts, ts) - 1
+        if i < 0 or ts > outer[i]["ts"] + outer[i]["dur"]:
+            return "?"
+        ops, starts = ops_by_thread[tid], starts_by_thread[tid]
+        j = bisect.bisect_right(starts, ts) - 1
+        inner = outer[i]
+        while j >= 0 and ops[j]["ts"] >= outer[i]["ts"]:  # the latest-starting op that still contains ts
+            if ts <= ops[j]["ts"] + ops[j]["dur"]:
+                inner = ops[j]
+                break
+            j -= 1
+        return " > ".join(dict.fromkeys([outer[i]["name"], inner["name"]]))
 
     idle = defaultdict(float)  # (host-bound?, op) -> us
     gaps = []
