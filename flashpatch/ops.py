@@ -29,6 +29,7 @@ from flashpatch.kernels.triton.common import alibi_batch_stride
 from flashpatch.kernels.triton.dropout import dropout_mask_kernel
 from flashpatch.kernels.triton.forward import attn_fwd_kernel
 from flashpatch.memo import once_per_tensor
+from flashpatch.padding import covers_its_span
 
 if sm90.AVAILABLE:  # the Gluon kernels, which take the calls in their scope where sm90.enabled()
     from flashpatch.kernels.sm90 import dkdv as sm90_dkdv, dq as sm90_dq, fwd as sm90_fwd
@@ -328,12 +329,7 @@ def _empty_like(t: torch.Tensor) -> torch.Tensor:
 
 def _is_dense(t: torch.Tensor) -> bool:
     """Whether t's elements fill its storage span without gaps or overlaps, in any dimension order."""
-    span = 1
-    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
-        if stride != span:
-            return False
-        span *= size
-    return True
+    return covers_its_span(t.shape, t.stride())
 
 
 def _grad_like(t: torch.Tensor) -> torch.Tensor:

@@ -93,9 +93,20 @@ class RowIndex:
         self.position = indices - self.batch_index * seqlen  # (T,)
 
 
+def covers_its_span(shape, stride) -> bool:
+    """Whether a tensor of this shape and these strides covers its memory span once, in some dimension order."""
+    span = 1
+    for step, size in sorted((st, n) for st, n in zip(stride, shape) if n != 1):
+        if step != span:
+            return False
+        span *= size
+    return True
+
+
 class _GatherRows(torch.autograd.Function):
     """(B, S, ...) tensors -> their rows at `index`, (T, ...) each. Backward: each gradient scattered into zeros laid
-    out like its input (no sort: the rows are distinct, so nothing accumulates)."""
+    out like its input where that layout covers its memory once (no sort: the rows are distinct, so nothing
+    accumulates)."""
 
     @staticmethod
     def forward(ctx, index: RowIndex, *tensors):
@@ -111,14 +122,17 @@ class _GatherRows(torch.autograd.Function):
             if grad is None or not needed:
                 out.append(None)
                 continue
-            full = torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+            if covers_its_span(shape, stride):  # the gradient in the input's memory order
+                full = torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+            else:  # gaps or overlaps (an expanded view): one value per element needs a layout of its own
+                full = torch.zeros(shape, dtype=dtype, device=device)
             full.index_put_((index.batch_index, index.position), grad)
             out.append(full)
         return tuple(out)
 
 
 def gather_rows(index: RowIndex, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Each (B, S, ...) tensor's rows at `index`: (T, ...), contiguous; differentiable."""
+    """Each (B, S, ...) tensor's rows at `index`: (T, ...) with a unit last stride; differentiable."""
     return _GatherRows.apply(index, *tensors)
 
 
