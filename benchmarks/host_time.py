@@ -9,8 +9,13 @@ is synchronized before and after, not inside). The implementations take turns ru
 host's speed (the GPU machines' CPUs vary by tens of percent over a minute) reaches them alike; the table gives the
 spread of flashpatch / SDPA over the runs. Cases: dense causal rows (the 1B model's and the 121M model's
 heads), the same with dropout 0.1, and a padded batch (flashpatch: flash_attn_varlen_func on unpadded tokens;
-SDPA: a boolean padding mask). flashpatch runs with its launch cache (options.KernelOptions.cached_launch) and
-without it. Writes host_time.md and host_time.json to --out, appends to --history, prints the table last.
+SDPA: a boolean padding mask; at the LoRA recipe's heads, 16 rows of 64-512 tokens). flashpatch runs with its
+launch cache (options.KernelOptions.cached_launch) and without it.
+
+A lone forward + backward also pays autograd's hand-off: the engine runs a CUDA backward on a device thread of its
+own, waking it and then the caller. A model's backward pays that once for all its layers, so the table also times
+each call with the backward on the calling thread (`torch.autograd.set_multithreading_enabled(False)`): a layer's
+share of a model's step. Writes host_time.md and host_time.json to --out, appends to --history, prints the table last.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from flashpatch.kernels import options  # noqa: E402
 
 # name: (batch, seqlen, heads, kv heads, head dim)
 SHAPES = {"d128 GQA 16/4": (1, 128, 16, 4, 128), "d64 GQA 12/4": (1, 128, 12, 4, 64)}
+LORA = (16, 512, 14, 2, 64)  # configs/lora_qwen2_0p5b.yaml's rows and heads: its padded case only
 
 
 def host_us(steps: dict, iters: int, repeats: int) -> dict:
@@ -60,7 +66,14 @@ def uncached(step):
     return run
 
 
-def cases(shape):
+def on_this_thread(step):
+    def run():
+        with torch.autograd.set_multithreading_enabled(False):
+            step()
+    return run
+
+
+def cases(shape, padded_only=False):
     b, s, h, hk, d = shape
     dev, dt = "cuda", torch.bfloat16
     q = torch.randn(b, s, h, d, device=dev, dtype=dt, requires_grad=True)
@@ -68,18 +81,22 @@ def cases(shape):
     dout = torch.randn(b, s, h, d, device=dev, dtype=dt)
     qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))  # SDPA's (B, H, S, D)
     doutt = dout.transpose(1, 2)
-    # padded: two rows, the second half padding
-    lengths = torch.tensor([s, s // 2], device=dev, dtype=torch.int32)
+    # padded: two rows, the second half padding; a batch of more rows: lengths from s / 8 to s, the first full
+    generator = torch.Generator().manual_seed(0)
+    lengths = (torch.tensor([s, s // 2]) if b == 1 else
+               torch.cat([torch.tensor([s]), torch.randint(s // 8, s + 1, (b - 1,), generator=generator)]))
+    lengths = lengths.to(device=dev, dtype=torch.int32)
+    b = lengths.numel()
     cu = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
     total = int(lengths.sum())
     qv = torch.randn(total, h, d, device=dev, dtype=dt, requires_grad=True)
     kv_, vv = (torch.randn(total, hk, d, device=dev, dtype=dt, requires_grad=True) for _ in "kv")
     doutv = torch.randn(total, h, d, device=dev, dtype=dt)
-    qp, kp, vp = (torch.randn(2, x, s, d, device=dev, dtype=dt, requires_grad=True) for x in (h, hk, hk))
-    doutp = torch.randn(2, h, s, d, device=dev, dtype=dt)
-    keep = torch.arange(s, device=dev)[None, :] < lengths[:, None].long()  # (2, S) keys that are real
+    qp, kp, vp = (torch.randn(b, x, s, d, device=dev, dtype=dt, requires_grad=True) for x in (h, hk, hk))
+    doutp = torch.randn(b, h, s, d, device=dev, dtype=dt)
+    keep = torch.arange(s, device=dev)[None, :] < lengths[:, None].long()  # (B, S) keys that are real
     causal = torch.ones(s, s, device=dev, dtype=torch.bool).tril()
-    mask = (keep[:, None, None, :] & causal)  # (2, 1, S, S)
+    mask = (keep[:, None, None, :] & causal)  # (B, 1, S, S)
 
     def fp_dense(p=0.0):
         return lambda: flashpatch.flash_attn_func(q, k, v, dropout_p=p, causal=True).backward(dout)
@@ -87,13 +104,13 @@ def cases(shape):
     def sdpa_dense(p=0.0):
         return lambda: F.scaled_dot_product_attention(qt, kt, vt, dropout_p=p, is_causal=True,
                                                       enable_gqa=True).backward(doutt)
-    return {
-        "dense": (fp_dense(), sdpa_dense()),
-        "dropout 0.1": (fp_dense(0.1), sdpa_dense(0.1)),
-        "padded": (lambda: flashpatch.flash_attn_varlen_func(qv, kv_, vv, cu, cu, s, s, causal=True).backward(doutv),
-                   lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask,
-                                                          enable_gqa=True).backward(doutp)),
-    }
+    padded = {"padded": (lambda: flashpatch.flash_attn_varlen_func(qv, kv_, vv, cu, cu, s, s, causal=True)
+                         .backward(doutv),
+                         lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
+                         .backward(doutp))}
+    if padded_only:
+        return padded
+    return {"dense": (fp_dense(), sdpa_dense()), "dropout 0.1": (fp_dense(0.1), sdpa_dense(0.1)), **padded}
 
 
 def main():
@@ -107,22 +124,32 @@ def main():
     import triton
 
     rows = []
-    for shape_name, shape in SHAPES.items():
-        for case, (fp, sdpa) in cases(shape).items():
-            t = host_us({"fpatch": fp, "fpatch_uncached": uncached(fp), "sdpa": sdpa}, args.iters, args.repeats)
+    runs = [(name, shape, cases(shape)) for name, shape in SHAPES.items()]
+    runs.append((f"d64 GQA 14/2, {LORA[0]} rows of <= {LORA[1]}", LORA, cases(LORA, padded_only=True)))
+    for shape_name, shape, shape_cases in runs:
+        for case, (fp, sdpa) in shape_cases.items():
+            t = host_us({"fpatch": fp, "fpatch_uncached": uncached(fp), "sdpa": sdpa,
+                         "fpatch_thread": on_this_thread(fp), "sdpa_thread": on_this_thread(sdpa)},
+                        args.iters, args.repeats)
             ratios = [a / b for a, b in zip(t["fpatch runs"], t["sdpa runs"])]
             rows.append(dict(shape=shape_name, case=case, fpatch=t["fpatch"], fpatch_uncached=t["fpatch_uncached"],
-                             sdpa=t["sdpa"], ratio_min=min(ratios), ratio_max=max(ratios)))
-            print(f"{shape_name} {case}: fpatch {t['fpatch']:.0f} us (no launch cache {t['fpatch_uncached']:.0f}), "
-                  f"sdpa {t['sdpa']:.0f}", file=sys.stderr, flush=True)
+                             sdpa=t["sdpa"], ratio_min=min(ratios), ratio_max=max(ratios),
+                             fpatch_thread=t["fpatch_thread"], sdpa_thread=t["sdpa_thread"]))
+            print(f"{shape_name} {case}: fpatch {t['fpatch']:.0f} us (no launch cache {t['fpatch_uncached']:.0f}, "
+                  f"on this thread {t['fpatch_thread']:.0f}), sdpa {t['sdpa']:.0f} (on this thread "
+                  f"{t['sdpa_thread']:.0f})", file=sys.stderr, flush=True)
     lines = [f"## Host time per attention forward + backward, {gpu}", "",
              f"torch {torch.__version__}, Triton {triton.__version__}, bf16, causal; median of {args.repeats} runs of "
-             f"{args.iters} calls, the implementations taking turns (`python benchmarks/host_time.py`)", "",
-             "| heads | case | flashpatch us | flashpatch, no launch cache us | SDPA us | flashpatch / SDPA (runs) |",
-             "|---|---|---|---|---|---|"]
+             f"{args.iters} calls, the implementations taking turns (`python benchmarks/host_time.py`). \"on the "
+             "calling thread\": autograd's backward run there, a layer's share of a model's backward (the engine's "
+             "hand-off to its device thread, paid once per backward call, left out)", "",
+             "| heads | case | flashpatch us | flashpatch, no launch cache us | SDPA us | flashpatch / SDPA (runs) | "
+             "on the calling thread: flashpatch / SDPA us |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['case']} | {r['fpatch']:.0f} | {r['fpatch_uncached']:.0f} | {r['sdpa']:.0f} "
-                     f"| {r['fpatch'] / r['sdpa']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) |")
+                     f"| {r['fpatch'] / r['sdpa']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) "
+                     f"| {r['fpatch_thread']:.0f} / {r['sdpa_thread']:.0f} |")
     table = "\n".join(lines)
     if args.out:
         out = Path(args.out)
@@ -138,7 +165,9 @@ def main():
             case = f"host time {r['shape']} {r['case']}"
             figures += [(case, "fpatch", "host_us", r["fpatch"]), (case, "fpatch_uncached", "host_us",
                                                                    r["fpatch_uncached"]),
-                        (case, "sdpa", "host_us", r["sdpa"])]
+                        (case, "sdpa", "host_us", r["sdpa"]),
+                        (case, "fpatch", "host_us_calling_thread", r["fpatch_thread"]),
+                        (case, "sdpa", "host_us_calling_thread", r["sdpa_thread"])]
         history.append(args.history, history.rows(figures, gpu=gpu, torch_version=torch.__version__,
                                                   triton_version=triton.__version__))
     print(table)
