@@ -76,27 +76,34 @@ def on_this_thread(step):
 def cases(shape, padded_only=False):
     b, s, h, hk, d = shape
     dev, dt = "cuda", torch.bfloat16
-    q = torch.randn(b, s, h, d, device=dev, dtype=dt, requires_grad=True)
-    k, v = (torch.randn(b, s, hk, d, device=dev, dtype=dt, requires_grad=True) for _ in "kv")
-    dout = torch.randn(b, s, h, d, device=dev, dtype=dt)
-    qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))  # SDPA's (B, H, S, D)
-    doutt = dout.transpose(1, 2)
     # padded: two rows, the second half padding; a batch of more rows: lengths from s / 8 to s, the first full
     generator = torch.Generator().manual_seed(0)
     lengths = (torch.tensor([s, s // 2]) if b == 1 else
                torch.cat([torch.tensor([s]), torch.randint(s // 8, s + 1, (b - 1,), generator=generator)]))
     lengths = lengths.to(device=dev, dtype=torch.int32)
-    b = lengths.numel()
     cu = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
     total = int(lengths.sum())
     qv = torch.randn(total, h, d, device=dev, dtype=dt, requires_grad=True)
     kv_, vv = (torch.randn(total, hk, d, device=dev, dtype=dt, requires_grad=True) for _ in "kv")
     doutv = torch.randn(total, h, d, device=dev, dtype=dt)
-    qp, kp, vp = (torch.randn(b, x, s, d, device=dev, dtype=dt, requires_grad=True) for x in (h, hk, hk))
-    doutp = torch.randn(b, h, s, d, device=dev, dtype=dt)
+    rows = lengths.numel()
+    qp, kp, vp = (torch.randn(rows, x, s, d, device=dev, dtype=dt, requires_grad=True) for x in (h, hk, hk))
+    doutp = torch.randn(rows, h, s, d, device=dev, dtype=dt)
     keep = torch.arange(s, device=dev)[None, :] < lengths[:, None].long()  # (B, S) keys that are real
     causal = torch.ones(s, s, device=dev, dtype=torch.bool).tril()
     mask = (keep[:, None, None, :] & causal)  # (B, 1, S, S)
+
+    padded = {"padded": (lambda: flashpatch.flash_attn_varlen_func(qv, kv_, vv, cu, cu, s, s, causal=True)
+                         .backward(doutv),
+                         lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
+                         .backward(doutp))}
+    if padded_only:
+        return padded
+    q = torch.randn(b, s, h, d, device=dev, dtype=dt, requires_grad=True)
+    k, v = (torch.randn(b, s, hk, d, device=dev, dtype=dt, requires_grad=True) for _ in "kv")
+    dout = torch.randn(b, s, h, d, device=dev, dtype=dt)
+    qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))  # SDPA's (B, H, S, D)
+    doutt = dout.transpose(1, 2)
 
     def fp_dense(p=0.0):
         return lambda: flashpatch.flash_attn_func(q, k, v, dropout_p=p, causal=True).backward(dout)
@@ -104,12 +111,6 @@ def cases(shape, padded_only=False):
     def sdpa_dense(p=0.0):
         return lambda: F.scaled_dot_product_attention(qt, kt, vt, dropout_p=p, is_causal=True,
                                                       enable_gqa=True).backward(doutt)
-    padded = {"padded": (lambda: flashpatch.flash_attn_varlen_func(qv, kv_, vv, cu, cu, s, s, causal=True)
-                         .backward(doutv),
-                         lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
-                         .backward(doutp))}
-    if padded_only:
-        return padded
     return {"dense": (fp_dense(), sdpa_dense()), "dropout 0.1": (fp_dense(0.1), sdpa_dense(0.1)), **padded}
 
 

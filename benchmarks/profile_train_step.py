@@ -96,21 +96,22 @@ def main():
             torch.cuda.synchronize(device)
 
     per_kernel = defaultdict(float)  # ms per step
+    counted = 0  # the events in per_kernel: kernels on a GPU
     steps = len(batches) - cfg.warmup_steps
     for event in prof.events():
         on_host = event.device_type != torch.autograd.DeviceType.CUDA
         if is_kernel(event) if cuda else on_host:  # kernels on a GPU; host ops (self time) without one
             time_us = event.device_time if cuda else event.self_cpu_time_total
             per_kernel[event.name] += time_us / steps / 1000.0
+            counted += 1
     by_kind = defaultdict(float)
     for name, ms in per_kernel.items():
         by_kind[kind_of(name)] += ms
     total = sum(by_kind.values())
-    launches = sum(1 for e in prof.events() if (is_kernel(e) if cuda else False)) / steps
     what = "GPU kernel time" if cuda else "host self time"
     wall = f" (wall {wall_ms:.1f} ms per step unprofiled)" if cuda else ""
     print(f"{impl}, {cfg.name}, {steps} steps: {what} {total:.1f} ms per step{wall}"
-          + (f", {launches:.0f} kernels per step" if cuda else ""), flush=True)
+          + (f", {counted / steps:.0f} kernels per step" if cuda else ""), flush=True)
     for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:12s} {ms:9.2f} ms  {100 * ms / total:5.1f}%")
     # Host syncs: each drains the GPU's queue, and the GPU then idles while the host launches the next kernels.
