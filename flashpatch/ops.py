@@ -348,6 +348,9 @@ class _FwdPlan:
     gluon: bool  # the Gluon forward takes the call
     tma: bool  # the Triton forward's tensor descriptors (tma_usable)
     site: Any  # launch.launch's site for the call's launch (None: the launch builds its argument key)
+    # the Triton launches' arguments that follow from the plan's key (strides, sizes, constexprs), by launch: made by
+    # the first call (`_static_args`)
+    static: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
 def _fwd_plan(q, k, v, out, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, softcap, dropout_p,
@@ -358,6 +361,16 @@ def _fwd_plan(q, k, v, out, varlen, max_seqlen_q, max_seqlen_k, window_left, win
         window_right=window_right, softcap=softcap, dropout_p=dropout_p)
     tma = not gluon and cfgs.fwd.tma and tma_usable(q.shape[-1], q, k, v, out)
     return _FwdPlan(cfgs, gluon, tma, key if opts.cached_launch else None)
+
+
+def _static_args(plan, name: str, make: Callable[[], tuple[tuple, dict]]) -> tuple[tuple, dict]:
+    """(integer arguments, constexpr and launch keywords) of the plan's Triton launch `name`, made once: they follow
+    from what the plan's key holds (the inputs' shapes and strides, the scalars that pick kernels, the options), and
+    the tensors a call allocates are laid out by rule from those."""
+    args = plan.static.get(name)
+    if args is None:
+        args = plan.static[name] = make()
+    return args
 
 
 def batch_size(q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]) -> int:
@@ -417,21 +430,22 @@ def attn_fwd_impl(
     qk_scale, cap_log2 = _scales(softmax_scale, softcap)
     grid, blocks, blocks_fastest = _launch_grid(nheads, cfg.block_m, cfg.blocks_fastest, cu_seqlens_q, q.shape[0],
                                                 batch, max_seqlen_q, heaviest_first=True, opts=opts)
+    ints, consts = _static_args(plan, "fwd", lambda: (
+        (*_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen), *_seq_strides(out, varlen),
+         *_lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes),
+         nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k),
+        dict(HEADDIM=headdim, BLOCK_D=block_d(headdim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+             **_common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype, alibi_slopes),
+             TMA=plan.tma, BLOCKS_FASTEST=blocks_fastest,
+             HEAD_GROUP=_head_group(cfg, varlen, window_left, window_right, max_seqlen_q, q.device, opts),
+             EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, cfg.block_n),
+             EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim), FOLD=cfgs.fold_scale,
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
     launch(
         attn_fwd_kernel, grid,
-        q, k, v, out, lse, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes,
-        *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen), *_seq_strides(out, varlen),
-        *_lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes),
-        nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
+        q, k, v, out, lse, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes, *ints,
         qk_scale, cap_log2, dropout_p, window_left, window_right,
-        HEADDIM=headdim, BLOCK_D=block_d(headdim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        **_common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype, alibi_slopes),
-        TMA=plan.tma, BLOCKS_FASTEST=blocks_fastest,
-        HEAD_GROUP=_head_group(cfg, varlen, window_left, window_right, max_seqlen_q, q.device, opts),
-        EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, cfg.block_n),
-        EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim),
-        FOLD=cfgs.fold_scale,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, cached_launch=opts.cached_launch, site=plan.site,
+        **consts, cached_launch=opts.cached_launch, site=plan.site,
     )
     return out, lse
 
@@ -460,6 +474,7 @@ class _BwdPlan:
     padded_rows: int  # rows per (batch, head) of the preprocess grid
     lse_shape: Optional[tuple]  # the padded LSE's shape, where pad
     site: Any  # launch.launch's site for the call's launches (None: each launch builds its argument key)
+    static: dict = dataclasses.field(default_factory=dict, compare=False)  # as _FwdPlan's
 
 
 def _bwd_plan(q, k, v, dout, varlen, batch, max_seqlen_q, max_seqlen_k, window_left, window_right, softcap,
@@ -546,7 +561,6 @@ def attn_bwd_impl(
     cfgs, site = plan.cfgs, plan.site
     atomic_dq, gluon_dq, dkdv_on_gluon = plan.atomic_dq, plan.gluon_dq, plan.dkdv_on_gluon
     qk_scale, cap_log2 = _scales(softmax_scale, softcap)
-    flags = _common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype, alibi_slopes)
     tile_d = block_d(headdim)
 
     lse_in = lse
@@ -554,14 +568,13 @@ def attn_bwd_impl(
         lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse)
     padded_rows, pre = plan.padded_rows, cfgs.bwd_dq
-    launch(
-        attn_bwd_preprocess_kernel, (batch * nheads, cdiv(padded_rows, pre.block_m)),
-        out, dout, delta, lse_in, lse, cu_seqlens_q,
-        *_seq_strides(out, varlen), *_seq_strides(dout, varlen), *_lse_strides(lse, varlen),
-        *_lse_strides(lse_in, varlen), nheads, max_seqlen_q, padded_rows,
-        HEADDIM=headdim, BLOCK_D=tile_d, BLOCK_M=pre.block_m, IS_VARLEN=varlen, PAD=plan.pad,
-        ALIGN=kernel_config.ALIGN, cached_launch=opts.cached_launch, site=site,
-    )
+    ints, consts = _static_args(plan, "preprocess", lambda: (
+        (*_seq_strides(out, varlen), *_seq_strides(dout, varlen), *_lse_strides(lse, varlen),
+         *_lse_strides(lse_in, varlen), nheads, max_seqlen_q, padded_rows),
+        dict(HEADDIM=headdim, BLOCK_D=tile_d, BLOCK_M=pre.block_m, IS_VARLEN=varlen, PAD=plan.pad,
+             ALIGN=kernel_config.ALIGN)))
+    launch(attn_bwd_preprocess_kernel, (batch * nheads, cdiv(padded_rows, pre.block_m)),
+           out, dout, delta, lse_in, lse, cu_seqlens_q, *ints, **consts, cached_launch=opts.cached_launch, site=site)
 
     # fp32 accumulator for atomic dQ; otherwise dQ gets its own pass and the pointer is unused.
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else dq
@@ -587,26 +600,26 @@ def attn_bwd_impl(
                                       seed_offset=seed_offset, dropout_p=dropout_p, options=opts, stream=stream,
                                       varlen=gluon_varlen, site=site, window_left=window_left, cap_log2=cap_log2)
         else:
-            tma_dkdv = c.tma and tma_usable(headdim, q, k, v, dout, dq_accum, dk, dv)
-            if tma_dkdv:
+            ints, consts = _static_args(plan, "dkdv", lambda: (
+                (*_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
+                 *_seq_strides(dout, varlen), *_seq_strides(dq_accum, varlen), *_seq_strides(dk, varlen),
+                 *_seq_strides(dv, varlen), *_lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes),
+                 nheads, nheads_k, nheads // nheads_k, max_seqlen_q, max_seqlen_k),
+                dict(HEADDIM=headdim, BLOCK_D=tile_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq,
+                     TMA=c.tma and tma_usable(headdim, q, k, v, dout, dq_accum, dk, dv), BLOCKS_FASTEST=blocks_fastest,
+                     HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_k, q.device, opts,
+                                            by_keys=True),
+                     EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_q, c.block_m),
+                     EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim), DP_FIRST=c.dp_first,
+                     **_common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype, alibi_slopes),
+                     num_warps=c.num_warps, num_stages=c.num_stages)))
+            if consts["TMA"]:
                 _ensure_allocator()
             launch(
                 attn_bwd_dkdv_kernel, grid,
                 q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks,
-                alibi_slopes,
-                *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
-                *_seq_strides(dout, varlen), *_seq_strides(dq_accum, varlen), *_seq_strides(dk, varlen),
-                *_seq_strides(dv, varlen), *_lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes),
-                nheads, nheads_k, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
-                qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
-                HEADDIM=headdim, BLOCK_D=tile_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, ATOMIC_DQ=atomic_dq,
-                TMA=tma_dkdv, BLOCKS_FASTEST=blocks_fastest,
-                HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_k, q.device, opts,
-                                       by_keys=True),
-                EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_q, c.block_m),
-                EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim), DP_FIRST=c.dp_first, **flags,
-                num_warps=c.num_warps, num_stages=c.num_stages, cached_launch=opts.cached_launch, on_stream=stream,
-                site=site,
+                alibi_slopes, *ints, qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
+                **consts, cached_launch=opts.cached_launch, on_stream=stream, site=site,
             )
 
     concurrent = plan.concurrent
@@ -626,27 +639,28 @@ def attn_bwd_impl(
                                   window_left=window_left, cap_log2=cap_log2)
         else:
             c = cfgs.bwd_dq
-            tma_dq = c.tma and tma_usable(headdim, k, v)  # not atomic_dq: that branch is taken above
-            if tma_dq:
-                _ensure_allocator()
             grid, blocks, blocks_fastest = _launch_grid(nheads, c.block_m, c.blocks_fastest, cu_seqlens_q,
                                                         q.shape[0], batch, max_seqlen_q, heaviest_first=True,
                                                         opts=opts)
+            ints, consts = _static_args(plan, "dq", lambda: (
+                (*_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
+                 *_seq_strides(dout, varlen), *_seq_strides(dq, varlen), *_lse_strides(lse, varlen),
+                 alibi_batch_stride(alibi_slopes), nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k),
+                # TMA: not atomic_dq, whose branch is taken above
+                dict(HEADDIM=headdim, BLOCK_D=tile_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+                     TMA=c.tma and tma_usable(headdim, k, v), BLOCKS_FASTEST=blocks_fastest,
+                     HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_q, q.device, opts),
+                     EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, c.block_n),
+                     EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim),
+                     **_common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype, alibi_slopes),
+                     num_warps=c.num_warps, num_stages=c.num_stages)))
+            if consts["TMA"]:
+                _ensure_allocator()
             launch(
                 attn_bwd_dq_kernel, grid,
-                q, k, v, dout, lse, delta, dq, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes,
-                *_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
-                *_seq_strides(dout, varlen), *_seq_strides(dq, varlen), *_lse_strides(lse, varlen),
-                alibi_batch_stride(alibi_slopes),
-                nheads, nheads // nheads_k, max_seqlen_q, max_seqlen_k,
+                q, k, v, dout, lse, delta, dq, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes, *ints,
                 qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
-                HEADDIM=headdim, BLOCK_D=tile_d, BLOCK_M=c.block_m, BLOCK_N=c.block_n, TMA=tma_dq,
-                BLOCKS_FASTEST=blocks_fastest,
-                HEAD_GROUP=_head_group(c, varlen, window_left, window_right, max_seqlen_q, q.device, opts),
-                EVEN=_even(cfgs.even_tiles, varlen, headdim, max_seqlen_k, c.block_n),
-                EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim),
-                **flags,
-                num_warps=c.num_warps, num_stages=c.num_stages, cached_launch=opts.cached_launch, site=site,
+                **consts, cached_launch=opts.cached_launch, site=site,
             )
 
     if concurrent:
