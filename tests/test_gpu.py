@@ -473,12 +473,12 @@ def _drawer_param_id(param):
 
 @needs_gluon
 @pytest.mark.parametrize("param,fused", [(param, fused) for param in DRAWER_DROPOUT_PARAMS
-                                         for fused in ((False, True) if sm90_dkdv.fuses_dq(param[1]) else (False,))],
+                                         for fused in ((False, True) if sm90_dkdv.fuses_dq(param[1], True) else (False,))],
                          ids=lambda x: ("fused_dq" if x else "dq_pass") if isinstance(x, bool) else _drawer_param_id(x))
 def test_gluon_dkdv_dropout_matches_float64(param, fused, monkeypatch):
     # The Gluon dK/dV takes its keep bits from drawer warps as one packed word per consumer thread
     # (sm90_dkdv._keep_drawer, _keep_tile): the pattern that the separate dropout_mask kernel writes must be the one
-    # it applied, with the Gluon dQ pass beside it or (head dim 128: sm90_dkdv.fuses_dq) dQ added by the kernel
+    # it applied, with the Gluon dQ pass beside it or (sm90_dkdv.fuses_dq) dQ added by the kernel
     # itself, whose dS carries the bits
     case, headdim = param
     batch, seqlen_q, seqlen_k, nheads, nheads_k, causal, p, alibi, dtype = case

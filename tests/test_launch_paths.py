@@ -185,21 +185,22 @@ def test_atomic_dq_only_for_masked_d128_dropout_without_gqa():
 
 def test_fused_dq_only_for_d128_rows_with_long_keys():
     # config.py (docs/tuning.md): the Gluon dK/dV's fused dQ won where a query sees LONG_KEYS keys or more
-    # on average, with or without a mask or GQA; never at other head dims or in the interpreter
+    # on average, with or without a mask or GQA; at head dim 64 only with dropout; never at 256 or in the interpreter
     def fused(headdim=128, is_cuda=True, long_keys=True, **flags):
         return kernel_config.configs_for(headdim, is_cuda, aligned=True, long_keys=long_keys, **flags).fused_dq
     assert fused() and fused(masked=True) and fused(grouped=True) and fused(masked=True, grouped=True)
     assert not fused(long_keys=False)
     assert not fused(masked=True, long_keys=False, short=True)
     assert not fused(headdim=64) and not fused(headdim=256)
+    assert fused(headdim=64, dropout=True) and not fused(headdim=64, dropout=True, long_keys=False)
     assert not fused(is_cuda=False)
 
 
 @pytest.mark.parametrize("headdim,accum_dtype,accum_rows", [(64, torch.float32, 17), (128, torch.bfloat16, 17),
                                                              (128, torch.float32, 16)])
 def test_gluon_dkdv_refuses_a_dq_buffer_it_cannot_add_into(headdim, accum_dtype, accum_rows):
-    # the fused dQ (sm90_dkdv.fuses_dq) is head dim 128 only and adds into an fp32 buffer shaped like q; anything
-    # else is refused before a descriptor is built, so it fails the same on a CPU
+    # the fused dQ (sm90_dkdv.fuses_dq) is head dim 128 (64 only with dropout) and adds into an fp32 buffer shaped
+    # like q; anything else is refused before a descriptor is built, so it fails the same on a CPU
     from flashpatch.kernels.sm90 import dkdv as sm90_dkdv
 
     q, k, v = random_qkv(1, 17, 17, 2, 1, headdim, torch.float16, requires_grad=False)

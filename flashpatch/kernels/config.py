@@ -132,6 +132,9 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
             # dK/dV, which reads the LSE it pads (varlen mix: 282 TFLOP/s fwd+bwd against 254).
             gluon_fwd=not short and (masked or not dropout),
             gluon_dq=varlen or dropout,
+            # with dropout the dK/dV reads K from shared memory and can add dQ itself, sparing the dQ pass its
+            # second draw of the keep bits: the backward at causal n8192 9.41 -> 4.67 ms (docs/tuning.md)
+            fused_dq=dropout and long_keys,
             # The Gluon dK/dV wins with GQA and without a mask; on short causal rows the Triton one keeps a small
             # lead.
             gluon_dkdv=not (masked and short),

@@ -749,12 +749,13 @@ def launch_maxnreg(dropout: bool) -> int:
     return MAXNREG_DROPOUT if dropout else MAXNREG
 
 
-def fuses_dq(headdim: int) -> bool:
-    """Whether the kernel can add dQ into an fp32 buffer itself (`_fused_dq`, `_dq_reducer`): head dim 128, where
-    K is read from shared memory (at 64 it is held in registers, `register_kv`), and a Triton whose Gluon can issue
-    TMA reduce-adds (common.TMA_REDUCE). With dropout too: the keep words' ring then has one slot per
-    consumer (1 KB; the shared memory is all but full), released once the step's dS is shared (`_step`)."""
-    return TMA_REDUCE and not register_kv(headdim)
+def fuses_dq(headdim: int, dropout: bool = False) -> bool:
+    """Whether the kernel can add dQ into an fp32 buffer itself (`_fused_dq`, `_dq_reducer`): where K is read from
+    shared memory (head dim 128, and 64 with dropout; at 64 without it K is held in registers, `register_kv`), and a
+    Triton whose Gluon can issue TMA reduce-adds (common.TMA_REDUCE). With dropout, the keep words' ring then has one
+    slot per consumer (1 KB; at head dim 128 the shared memory is all but full), released once the step's dS is
+    shared (`_step`)."""
+    return TMA_REDUCE and not register_kv(headdim, dropout)
 
 
 def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_scale: float, causal: bool,
@@ -796,8 +797,9 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     fused = dq_accum is not None
     dropout = dropout_p > 0
-    if fused and not fuses_dq(headdim):
-        raise ValueError(f"the Gluon dK/dV adds dQ itself only where fuses_dq (head dim 128), not at {headdim}")
+    if fused and not fuses_dq(headdim, dropout):
+        raise ValueError(f"the Gluon dK/dV adds dQ itself only where fuses_dq (head dim 128, or 64 with dropout), not "
+                         f"at head dim {headdim} with dropout_p={dropout_p}")
     if dropout and seed_offset is None:
         raise ValueError(f"the Gluon dK/dV draws dropout from a seed_offset tensor, got dropout_p={dropout_p} with "
                          f"seed_offset=None")
