@@ -7,7 +7,9 @@ padded-real-lengths run, which moved +0.3% when its varlen kernels got 17-19% fa
     python benchmarks/profile_train_step.py --config configs/padded_real_lengths.yaml --implementations fpatch \
         [--tree runs/trees/<name>] [--profile_steps 8]
 
-Every other option is recipes/train.py's (--config plus field overrides; the batches are the recipe's). --tree
+Every other option is recipes/train.py's (--config plus field overrides; the batches are the recipe's). Under
+`accelerate launch` (DDP, FSDP) rank 0 prints and every other rank writes <output_dir>/profile_<impl>_rank<r>.txt;
+the report then adds the collectives' time beside computation and exposed. --tree
 imports flashpatch from an older package (`git archive <commit> flashpatch | tar -x -C runs/trees/<name>`), so two
 versions can be profiled on one GPU in one call. On a machine without CUDA it profiles the host ops instead
 (flashpatch's kernels in the Triton interpreter).
@@ -26,9 +28,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Kernel-name fragments by kind, first match wins (lower case). Attention: flashpatch's Triton and Gluon kernels,
-# SDPA's flash / cuDNN / efficient backends, Flex's generated kernels.
+# Kernel-name fragments by kind, first match wins (lower case). Communication: NCCL's collectives. Attention:
+# flashpatch's Triton and Gluon kernels, SDPA's flash / cuDNN / efficient backends, Flex's generated kernels.
 KINDS = (
+    ("communication", ("nccl",)),
     ("attention", ("attn_", "flash", "fmha", "cudnn", "flex_attention", "triton_tem_fused")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "addmm", "bmm", "::mm")),
     ("copy / pad", ("copy", "cat", "index", "gather", "scatter", "pad", "fill")),
@@ -67,8 +70,13 @@ def main():
     if len(cfg.implementations) != 1:
         raise SystemExit(f"profile one implementation at a time (--implementations), got {cfg.implementations}")
     impl = cfg.implementations[0]
-    print(f"{impl}: flashpatch from {Path(flashpatch.__file__).parent}", flush=True)
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision or None)
+    if not accelerator.is_main_process:  # under accelerate launch: rank 0 prints, the others write a file each
+        path = Path(cfg.output_dir) / f"profile_{impl}_rank{accelerator.process_index}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        sys.stdout = path.open("w")
+    print(f"{impl}: flashpatch from {Path(flashpatch.__file__).parent}, rank {accelerator.process_index} of "
+          f"{accelerator.num_processes}", flush=True)
     device = accelerator.device
     corpus = train.import_corpus()
     tokenizer = train.make_tokenizer(cfg, corpus)
@@ -145,6 +153,53 @@ def is_kernel(event) -> bool:
     return event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
 
 
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _overlap_us(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Time covered by both of two sorted lists of disjoint intervals."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def report_overlap(device: list[dict], steps: int) -> tuple[float, float]:
+    """Kernel time per GPU stream by kind, and how much of the collectives' time (NCCL) ran beside computation on
+    another stream: a collective no kernel overlaps is exposed, the step waits for it (or for the rank it syncs
+    with). Under DDP and FSDP the collectives have streams of their own; flashpatch's concurrent dQ runs on one."""
+    by_stream = defaultdict(lambda: defaultdict(float))
+    comm, compute = [], []
+    for e in device:
+        kind = kind_of(e["name"])
+        by_stream[e.get("tid")][kind] += e["dur"]
+        (comm if kind == "communication" else compute).append((e["ts"], e["ts"] + e["dur"]))
+    print("GPU streams, kernel ms per step by kind:")
+    for stream, kinds in sorted(by_stream.items(), key=lambda kv: -sum(kv[1].values())):
+        parts = ", ".join(f"{kind} {us / steps / 1000.0:.1f}"
+                          for kind, us in sorted(kinds.items(), key=lambda kv: -kv[1]))
+        print(f"  stream {stream}: {sum(kinds.values()) / steps / 1000.0:.1f} ms ({parts})")
+    if not comm:
+        return 0.0, 0.0
+    comm, compute = _union(comm), _union(compute)
+    comm_us = sum(end - start for start, end in comm)
+    hidden = _overlap_us(comm, compute)
+    print(f"collectives {comm_us / steps / 1000.0:.1f} ms per step (busy time of their streams together), "
+          f"{hidden / steps / 1000.0:.1f} beside computation, {(comm_us - hidden) / steps / 1000.0:.1f} exposed")
+    return comm_us, hidden
+
+
 def report_idle(prof, steps: int, top: int) -> None:
     """Where the GPU sat idle, from the profile's Chrome trace: each gap between kernels longer than GAP_US, by the
     host op that launched the kernel after it. A gap whose kernel the host launched after the GPU had gone idle is
@@ -155,6 +210,7 @@ def report_idle(prof, steps: int, top: int) -> None:
         prof.export_chrome_trace(str(path))
         events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
     device = sorted((e for e in events if e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
+    report_overlap(device, steps)
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     ops_by_thread = defaultdict(list)

@@ -48,3 +48,21 @@ def test_idle_gaps_by_launching_op(capsys):
     assert "0.30 ms  host  FlashAttnFunction" in out, out
     assert "0.01 ms  wait  aten::add" in out, out
     assert "tiny" not in out, out
+
+
+def test_collectives_beside_computation(capsys):
+    def on(stream, name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "tid": stream, "ts": ts, "dur": dur}
+
+    device = [
+        on(7, "gemm", 0, 100), on(7, "attn_fwd_kernel", 150, 50),  # compute on stream 7: 0..100, 150..200
+        on(9, "ncclDevKernel_AllGather_RING_LL", 50, 80),  # 50..130: 50 beside the gemm, 30 exposed
+        on(9, "ncclDevKernel_ReduceScatter_RING_LL", 180, 40),  # 180..220: 20 beside attention, 20 exposed
+        on(11, "attn_bwd_dq_kernel", 90, 20),  # a side stream's kernel: 90..110 adds 10 beside the gather
+    ]
+    comm_us, hidden_us = profile_train_step.report_overlap(sorted(device, key=lambda e: e["ts"]), steps=1)
+    out = capsys.readouterr().out
+    # collectives busy 50..130 and 180..220 (120 us); beside computation 50..110 and 180..200 (80 us)
+    assert (comm_us, hidden_us) == (120, 80), (comm_us, hidden_us)
+    assert "stream 9: 0.1 ms (communication 0.1)" in out, out
+    assert "stream 11: 0.0 ms (attention 0.0)" in out, out
