@@ -217,6 +217,29 @@ def make_batches(
         yield {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
 
 
+def balance_padded_batches(step: list[dict[str, torch.Tensor]], pad_id: int) -> list[dict[str, torch.Tensor]]:
+    """One step's padded batches (`make_batches`: right padding with pad_id, labels -100 on it) of every
+    data-parallel rank, in rank order -> the same rows dealt again so that the ranks' real-token counts are near
+    equal, each batch keeping its number of rows and padded to its own longest.
+
+    Padding-free attention makes a rank's work follow its real tokens, and a data-parallel step waits for the rank
+    with the most. The rows go longest first, each to the batch with the fewest tokens among those with room left;
+    where that deal's heaviest batch would be no lighter than the given heaviest, the given batches stay."""
+    sizes = [b["input_ids"].shape[0] for b in step]
+    rows = [(ids[: int(n)].numpy(), int(n)) for b in step
+            for ids, n in zip(b["input_ids"], b["attention_mask"].sum(dim=1))]
+    order = sorted(range(len(rows)), key=lambda i: -rows[i][1])  # longest first (stable: ties in rank order)
+    dealt = [[] for _ in step]
+    loads = [0] * len(step)
+    for i in order:
+        rank = min((r for r in range(len(step)) if len(dealt[r]) < sizes[r]), key=lambda r: loads[r])
+        dealt[rank].append(rows[i][0])
+        loads[rank] += rows[i][1]
+    if max(loads) >= max(int(b["attention_mask"].sum()) for b in step):
+        return list(step)
+    return [_padded_batch(docs, pad_id) for docs in dealt]
+
+
 def flatten_padded_batch(batch: dict[str, torch.Tensor]) -> dict:
     """A padded batch -> the same documents as one row of real tokens, for varlen attention (no padding at all).
 

@@ -110,13 +110,15 @@ _PARALLEL = {"DistributedType.MULTI_GPU": "ddp", "DistributedType.MULTI_CPU": "d
 
 def history_case(report: dict) -> str:
     """The run as one history.csv case: config name, data mode, shape, ranks (and how they split the work: ddp,
-    fsdp), precision (and compile mode, kernel options)."""
+    fsdp; "balanced" with balance_ranks), precision (and compile mode, kernel options)."""
     cfg, env = report["config"], report["environment"]
     precision = "fp32" if env.get("mixed_precision") in (None, "no") else env["mixed_precision"]
     compiled = f" compile {cfg['compile']}" if cfg.get("compile") else ""
     kernels = f" kernel_options {cfg['kernel_options']}" if env.get("kernel_options") else ""
     world = env.get("world_size", 1)
     parallel = _PARALLEL.get(env.get("distributed_type"), "") if world > 1 else ""
+    if parallel and cfg.get("balance_ranks") and cfg["data_mode"] in ("padded", "unpadded"):
+        parallel += " balanced"
     return (f"{cfg['name']} {cfg['data_mode']} seq {cfg['seq_len']} batch {cfg['batch_size']}x{world}"
             f"{' ' + parallel if parallel else ''} {precision}{compiled}{kernels}")
 

@@ -374,24 +374,31 @@ def environment(accelerator, flashpatch, fp_error, cfg: TrainConfig, kernel_kwar
     }
 
 
+def balanced_ranks(cfg: TrainConfig, accelerator) -> bool:
+    """Whether the ranks' rows are dealt by real tokens (balance_ranks: padded rows, several ranks)."""
+    return cfg.balance_ranks and accelerator.num_processes > 1 and cfg.data_mode in ("padded", "unpadded")
+
+
 def recipe_batches(cfg: TrainConfig, accelerator, corpus, tokenizer, num_batches: int):
-    """(dataset, batches): the recipe's corpus and its first num_batches batches. The same batches serve every
-    implementation, made once (data time stays out of the step time); each rank draws its own stream so
-    data-parallel ranks see different documents."""
+    """(dataset, batches): the recipe's corpus and this rank's first num_batches batches. The same batches serve
+    every implementation, made once (data time stays out of the step time); each rank draws its own stream so
+    data-parallel ranks see different documents. With balance_ranks (padded rows, several ranks) every rank draws
+    every rank's stream and keeps its share of each step's rows dealt by real tokens."""
     source_kwargs = {}
     if cfg.dataset == "stdlib":
         source_kwargs = {"max_bytes": cfg.corpus_max_bytes, "max_file_bytes": cfg.corpus_max_file_bytes or None}
     dataset = corpus.load_corpus(cfg.dataset, **source_kwargs)
-    stream = corpus.make_batches(
-        dataset,
-        cfg.data_mode,
-        cfg.seq_len,
-        cfg.batch_size,
-        seed=cfg.seed * 1000 + accelerator.process_index,
-        tokenizer=tokenizer,
-        num_batches=num_batches,
-    )
-    return dataset, list(stream)
+    rank, world = accelerator.process_index, accelerator.num_processes
+
+    def stream(r: int) -> list:
+        return list(corpus.make_batches(dataset, cfg.data_mode, cfg.seq_len, cfg.batch_size,
+                                        seed=cfg.seed * 1000 + r, tokenizer=tokenizer, num_batches=num_batches))
+
+    if not balanced_ranks(cfg, accelerator):
+        return dataset, stream(rank)
+    streams = [stream(r) for r in range(world)]
+    return dataset, [corpus.balance_padded_batches(list(step), tokenizer.pad_token_id)[rank]
+                     for step in zip(*streams)]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -452,7 +459,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"{accelerator.num_processes}, {out['environment']['device_name']}, "
             f"{'fp32' if accelerator.mixed_precision == 'no' else accelerator.mixed_precision}"
             f"{f', torch.compile {cfg.compile}' if cfg.compile else ''}"
-            f"{f', kernel_options {cfg.kernel_options}' if kernel_kwargs else ''}\n"
+            f"{f', kernel_options {cfg.kernel_options}' if kernel_kwargs else ''}"
+            f"{', rows balanced across ranks' if balanced_ranks(cfg, accelerator) else ''}\n"
         )
         print(ranking.table(out) if ranked else report.markdown_table(out), flush=True)
         for note in report.compile_notes(out) + ([] if ranked else report.rank_notes(out)):

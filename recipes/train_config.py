@@ -52,6 +52,9 @@ class TrainConfig:
     data_mode: str = "packed"  # padded | packed | unpadded | dense (see flashpatch.corpus.make_batches)
     seq_len: int = 64
     batch_size: int = 4  # per process
+    # padded / unpadded under DDP or FSDP: deal each step's rows across the ranks so that their real tokens are near
+    # equal (flashpatch.corpus.balance_padded_batches); without it each rank trains the rows of its own stream
+    balance_ranks: bool = False
 
     # --- training ---
     steps: int = 8  # measured steps, after the warm-up

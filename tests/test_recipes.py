@@ -16,6 +16,7 @@ import torch
 
 from flashpatch.corpus import (
     ByteTokenizer,
+    balance_padded_batches,
     count_tokens,
     flatten_padded_batch,
     load_default_corpus,
@@ -163,6 +164,70 @@ def test_flatten_padded_batch_keeps_exactly_the_real_tokens(short_docs):
         # Targets after the model's shift by one: padded sum(n - 1) over rows, flattened the same.
         predicted_padded = int((batch["labels"][:, 1:] != -100).sum())
         assert int((flat["labels"][0, 1:] != -100).sum()) == predicted_padded == sum(n - 1 for n in lengths)
+
+
+def _rows(batches):
+    """The real token rows of padded batches, as sorted tuples (a multiset)."""
+    return sorted(tuple(ids[: int(n)].tolist()) for b in batches
+                  for ids, n in zip(b["input_ids"], b["attention_mask"].sum(dim=1)))
+
+
+def _padded(lengths, start=0):
+    docs = [np.arange(start + i * 1000, start + i * 1000 + n, dtype=np.int64) % 250 for i, n in enumerate(lengths)]
+    from flashpatch.corpus import _padded_batch
+
+    return _padded_batch(docs, TOK.pad_token_id)
+
+
+def test_balance_padded_batches_deals_rows_by_real_tokens():
+    # rank 0 drew the long documents, rank 1 the short ones: 900 against 40 real tokens
+    step = [_padded([400, 300, 200]), _padded([20, 10, 10], start=7)]
+    dealt = balance_padded_batches(step, TOK.pad_token_id)
+    loads = [int(b["attention_mask"].sum()) for b in dealt]
+    assert sorted(loads) == [430, 510], loads  # 400 + 20 + 10 and 300 + 200 + 10: the heaviest 900 -> 510
+    assert _rows(dealt) == _rows(step)  # the same rows, each once
+    for b in dealt:
+        assert b["input_ids"].shape[0] == 3  # each rank keeps its row count
+        mask = b["attention_mask"].bool()
+        assert b["input_ids"].shape[1] == int(mask.sum(1).max())  # padded to its own longest
+        assert torch.equal(b["labels"], b["input_ids"].masked_fill(~mask, -100))
+        assert (b["input_ids"][~mask] == TOK.pad_token_id).all()
+        assert mask.cumsum(1).max(1).values.equal(mask.sum(1))  # right padding
+
+
+def test_balance_padded_batches_keeps_batches_it_cannot_improve():
+    step = [_padded([300, 10]), _padded([290, 20], start=3)]  # 310 and 310: already even
+    assert all(a is b for a, b in zip(balance_padded_batches(step, TOK.pad_token_id), step))
+
+
+def test_recipe_batches_balanced_across_ranks(short_docs, monkeypatch):
+    # every rank draws every rank's stream and keeps its share: the ranks' rows together are the unbalanced ones,
+    # and the heaviest rank's real tokens never grow
+    from types import SimpleNamespace
+
+    import flashpatch.corpus as corpus_mod
+    import train
+
+    monkeypatch.setattr(corpus_mod, "load_corpus", lambda *a, **k: short_docs)
+    cfg = parse_config(["--data_mode", "unpadded", "--seq_len", "512", "--batch_size", "3"])
+    world, steps = 3, 4
+
+    def batches(balance: bool, rank: int):
+        cfg.balance_ranks = balance
+        acc = SimpleNamespace(process_index=rank, num_processes=world)
+        return train.recipe_batches(cfg, acc, corpus_mod, TOK, steps)[1]
+
+    plain = [batches(False, r) for r in range(world)]
+    dealt = [batches(True, r) for r in range(world)]
+    improved = 0
+    for step in range(steps):
+        before, after = [p[step] for p in plain], [d[step] for d in dealt]
+        assert _rows(after) == _rows(before)
+        heaviest = [max(int(b["attention_mask"].sum()) for b in bs) for bs in (before, after)]
+        assert heaviest[1] <= heaviest[0]
+        improved += heaviest[1] < heaviest[0]
+    assert improved > 0  # natural lengths: some step was uneven
+    assert not train.balanced_ranks(cfg, SimpleNamespace(process_index=0, num_processes=1))
 
 
 def test_packed_batches(short_docs):

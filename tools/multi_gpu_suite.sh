@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Multi-GPU recipe runs for one device call on a machine of 4 GPUs (2-GPU steps also run on a 2-GPU machine):
-#   bash tools/multi_gpu_suite.sh [tests2] [ddp2] [fsdp2] [fsdp4] ...
+#   bash tools/multi_gpu_suite.sh [tests2] [ddp2] [fsdp2] [fsdp4] [balanced2] ...
 # tests2: the 2-GPU recipe tests (tests/test_recipes_multiproc.py -m gpu) on GPUs 0,1; where 4 GPUs exist, ddp2
 #   runs beside them on GPUs 2,3 (separate NCCL ports).
 # ddp2, fsdp2, fsdp4: llama_1b dense and padded_real_lengths, sdpa against fpatch in 4 rounds with the order rotated
 #   (recipes/ranking.py), under configs/accelerate/{ddp_2gpu,fsdp2_2gpu,fsdp2_4gpu}.yaml.
+# balanced2: padded_real_lengths under FSDP2 on 2 GPUs with each step's rows dealt across the ranks by real tokens
+#   (--balance_ranks true), the same rounds.
 # Reports go to $WORK/<step>_<config>/ and are packed into $OUT/multi_gpu.tgz after each step; a summary prints last.
 set -uo pipefail
 OUT=${OUT:-runs/multi_gpu}
@@ -43,6 +45,12 @@ for step in ${*:-tests2 fsdp2 fsdp4}; do
     ddp2) rank ddp2 0,1 ddp_2gpu 29612 ;;
     fsdp2) rank fsdp2 0,1 fsdp2_2gpu 29613 ;;
     fsdp4) rank fsdp4 0,1,2,3 fsdp2_4gpu 29614 ;;
+    balanced2)
+      CUDA_VISIBLE_DEVICES=0,1 accelerate launch --config_file configs/accelerate/fsdp2_2gpu.yaml \
+        --main_process_port 29615 recipes/train.py --config configs/padded_real_lengths.yaml \
+        --implementations sdpa,fpatch,fpatch_pf --balance_ranks true --rounds 4 --steps 5 --warmup_steps 3 \
+        --plots false --output_dir "$WORK/balanced2" > "$WORK/balanced2.md" 2> "$WORK/balanced2.log"
+      echo "balanced2 padded_real_lengths: exit $?" >> "$WORK/summary.txt" ;;
     *) echo "$step: unknown step" >> "$WORK/summary.txt" ;;
   esac
   echo "  ($step: $(( $(date +%s) - start )) s)" >> "$WORK/summary.txt"
