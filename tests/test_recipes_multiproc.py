@@ -107,6 +107,19 @@ def test_rounds_two_cpu_ranks(tmp_path):
     assert [line.split("|")[1].strip() for line in lines[-3:]] == ["eager", "sdpa", "fpatch"]
 
 
+def test_balanced_ranks_two_cpu_ranks(tmp_path):
+    """--balance_ranks on padded rows: the ranks' rows dealt by real tokens under a real 2-process launch; every
+    implementation trains the same balanced rows, so their real-token counts agree."""
+    out = tmp_path / "run"
+    proc = launch("cpu_ddp2.yaml", [*TINY, "--implementations", "sdpa,fpatch", "--data_mode", "unpadded",
+                                    "--balance_ranks", "true", "--output_dir", str(out)], tmp_path, timeout=300)
+    res = json.loads((out / "results.json").read_text())
+    rows = check_rows(res, ["sdpa", "fpatch"], world=2)
+    assert rows["sdpa"]["real_tokens"] == rows["fpatch"]["real_tokens"] > 0
+    assert res["config"]["balance_ranks"] is True
+    assert "rows balanced across ranks" in proc.stdout
+
+
 def test_profile_step_setting():
     from train_config import parse_config
 
