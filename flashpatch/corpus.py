@@ -225,6 +225,9 @@ def balance_padded_batches(step: list[dict[str, torch.Tensor]], pad_id: int) -> 
     Padding-free attention makes a rank's work follow its real tokens, and a data-parallel step waits for the rank
     with the most. The rows go longest first, each to the batch with the fewest tokens among those with room left;
     where that deal's heaviest batch would be no lighter than the given heaviest, the given batches stay."""
+    if not step or any(set(b) != {"input_ids", "attention_mask", "labels"} for b in step):
+        raise ValueError("balance_padded_batches takes one padded batch per rank (input_ids, attention_mask, labels), "
+                         f"got {[sorted(b) for b in step]}")
     sizes = [b["input_ids"].shape[0] for b in step]
     rows = [(ids[: int(n)].numpy(), int(n)) for b in step
             for ids, n in zip(b["input_ids"], b["attention_mask"].sum(dim=1))]

@@ -117,8 +117,8 @@ def history_case(report: dict) -> str:
     kernels = f" kernel_options {cfg['kernel_options']}" if env.get("kernel_options") else ""
     world = env.get("world_size", 1)
     parallel = _PARALLEL.get(env.get("distributed_type"), "") if world > 1 else ""
-    if parallel and cfg.get("balance_ranks") and cfg["data_mode"] in ("padded", "unpadded"):
-        parallel += " balanced"
+    if env.get("balanced_ranks"):
+        parallel = f"{parallel} balanced".lstrip()
     return (f"{cfg['name']} {cfg['data_mode']} seq {cfg['seq_len']} batch {cfg['batch_size']}x{world}"
             f"{' ' + parallel if parallel else ''} {precision}{compiled}{kernels}")
 

@@ -371,6 +371,7 @@ def environment(accelerator, flashpatch, fp_error, cfg: TrainConfig, kernel_kwar
         "flashpatch_error": fp_error,
         # what flashpatch.kernels.options.override got for the whole run ({}: the defaults)
         "kernel_options": kernel_kwargs or {},
+        "balanced_ranks": balanced_ranks(cfg, accelerator),  # each step's rows dealt across ranks by real tokens
     }
 
 
@@ -460,7 +461,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{'fp32' if accelerator.mixed_precision == 'no' else accelerator.mixed_precision}"
             f"{f', torch.compile {cfg.compile}' if cfg.compile else ''}"
             f"{f', kernel_options {cfg.kernel_options}' if kernel_kwargs else ''}"
-            f"{', rows balanced across ranks' if balanced_ranks(cfg, accelerator) else ''}\n"
+            f"{', rows balanced across ranks' if out['environment']['balanced_ranks'] else ''}\n"
         )
         print(ranking.table(out) if ranked else report.markdown_table(out), flush=True)
         for note in report.compile_notes(out) + ([] if ranked else report.rank_notes(out)):

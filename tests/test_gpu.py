@@ -473,7 +473,8 @@ def _drawer_param_id(param):
 
 @needs_gluon
 @pytest.mark.parametrize("param,fused", [(param, fused) for param in DRAWER_DROPOUT_PARAMS
-                                         for fused in ((False, True) if sm90_dkdv.fuses_dq(param[1], True) else (False,))],
+                                         for fused in ((False, True) if sm90_dkdv.fuses_dq(param[1], dropout=True)
+                                                       else (False,))],
                          ids=lambda x: ("fused_dq" if x else "dq_pass") if isinstance(x, bool) else _drawer_param_id(x))
 def test_gluon_dkdv_dropout_matches_float64(param, fused, monkeypatch):
     # The Gluon dK/dV takes its keep bits from drawer warps as one packed word per consumer thread

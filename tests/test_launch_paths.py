@@ -183,7 +183,7 @@ def test_atomic_dq_only_for_masked_d128_dropout_without_gqa():
     assert not atomic(headdim=64)
 
 
-def test_fused_dq_only_for_d128_rows_with_long_keys():
+def test_fused_dq_only_for_rows_with_long_keys():
     # config.py (docs/tuning.md): the Gluon dK/dV's fused dQ won where a query sees LONG_KEYS keys or more
     # on average, with or without a mask or GQA; at head dim 64 only with dropout; never at 256 or in the interpreter
     def fused(headdim=128, is_cuda=True, long_keys=True, **flags):

@@ -200,6 +200,14 @@ def test_balance_padded_batches_keeps_batches_it_cannot_improve():
     assert all(a is b for a, b in zip(balance_padded_batches(step, TOK.pad_token_id), step))
 
 
+def test_balance_padded_batches_refuses_what_is_not_padded_batches(short_docs):
+    with pytest.raises(ValueError, match="one padded batch per rank"):
+        balance_padded_batches([], TOK.pad_token_id)
+    packed = list(make_batches(short_docs, "packed", 64, 2, num_batches=2))  # position_ids, no attention_mask
+    with pytest.raises(ValueError, match="position_ids"):
+        balance_padded_batches(packed, TOK.pad_token_id)
+
+
 def test_recipe_batches_balanced_across_ranks(short_docs, monkeypatch):
     # every rank draws every rank's stream and keeps its share: the ranks' rows together are the unbalanced ones,
     # and the heaviest rank's real tokens never grow
@@ -567,6 +575,8 @@ def test_gpu_report_appends_history_rows(tmp_path):
     for distributed, name in (("DistributedType.FSDP", "fsdp"), ("DistributedType.MULTI_GPU", "ddp")):
         fake["environment"]["distributed_type"] = distributed  # the ranks' split named: DDP and FSDP2 rows apart
         assert report.history_case(fake).startswith(f"t packed seq 64 batch 2x2 {name} bf16 ")
+    fake["environment"]["balanced_ranks"] = True  # padded rows dealt across the ranks: a case of its own
+    assert report.history_case(fake).startswith("t packed seq 64 batch 2x2 ddp balanced bf16 ")
 
 
 def test_bench_attention_history_rows(tmp_path):

@@ -116,7 +116,7 @@ def test_balanced_ranks_two_cpu_ranks(tmp_path):
     res = json.loads((out / "results.json").read_text())
     rows = check_rows(res, ["sdpa", "fpatch"], world=2)
     assert rows["sdpa"]["real_tokens"] == rows["fpatch"]["real_tokens"] > 0
-    assert res["config"]["balance_ranks"] is True
+    assert res["config"]["balance_ranks"] is True and res["environment"]["balanced_ranks"] is True
     assert "rows balanced across ranks" in proc.stdout
 
 

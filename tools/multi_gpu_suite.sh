@@ -21,13 +21,15 @@ fi
 ngpus=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | tee "$WORK/env.txt"
 
-rank() {  # rank NAME GPUS ACCELERATE_CONFIG PORT: llama_1b dense, then padded_real_lengths, in rounds
+rank() {  # rank NAME GPUS ACCELERATE_CONFIG PORT [recipe options]: in rounds, each of $CONFIGS (default llama_1b
+  # dense, then padded_real_lengths)
   local name=$1 gpus=$2 acc=$3 port=$4 config impls
-  for config in llama_1b padded_real_lengths; do
+  shift 4
+  for config in ${CONFIGS:-llama_1b padded_real_lengths}; do
     impls=sdpa,fpatch; [ $config = padded_real_lengths ] && impls=sdpa,fpatch,fpatch_pf
     CUDA_VISIBLE_DEVICES=$gpus accelerate launch --config_file "configs/accelerate/$acc.yaml" \
       --main_process_port "$port" recipes/train.py --config "configs/$config.yaml" --implementations $impls \
-      --rounds 4 --steps 5 --warmup_steps 3 --plots false --output_dir "$WORK/${name}_$config" \
+      --rounds 4 --steps 5 --warmup_steps 3 --plots false --output_dir "$WORK/${name}_$config" "$@" \
       > "$WORK/${name}_$config.md" 2> "$WORK/${name}_$config.log"
     echo "${name} $config: exit $?" >> "$WORK/summary.txt"
   done
@@ -45,12 +47,7 @@ for step in ${*:-tests2 fsdp2 fsdp4}; do
     ddp2) rank ddp2 0,1 ddp_2gpu 29612 ;;
     fsdp2) rank fsdp2 0,1 fsdp2_2gpu 29613 ;;
     fsdp4) rank fsdp4 0,1,2,3 fsdp2_4gpu 29614 ;;
-    balanced2)
-      CUDA_VISIBLE_DEVICES=0,1 accelerate launch --config_file configs/accelerate/fsdp2_2gpu.yaml \
-        --main_process_port 29615 recipes/train.py --config configs/padded_real_lengths.yaml \
-        --implementations sdpa,fpatch,fpatch_pf --balance_ranks true --rounds 4 --steps 5 --warmup_steps 3 \
-        --plots false --output_dir "$WORK/balanced2" > "$WORK/balanced2.md" 2> "$WORK/balanced2.log"
-      echo "balanced2 padded_real_lengths: exit $?" >> "$WORK/summary.txt" ;;
+    balanced2) CONFIGS=padded_real_lengths rank balanced2 0,1 fsdp2_2gpu 29615 --balance_ranks true ;;
     *) echo "$step: unknown step" >> "$WORK/summary.txt" ;;
   esac
   echo "  ($step: $(( $(date +%s) - start )) s)" >> "$WORK/summary.txt"
