@@ -362,6 +362,11 @@ def test_gluon_kernels_chosen_where_they_measured_faster():
         for grouped in (False, True):
             cfg = kernel_config.configs_for(64, True, masked=masked, aligned=True, short=short, grouped=grouped)
             assert (cfg.gluon_fwd, cfg.gluon_dkdv) == expected and not cfg.gluon_dq, (masked, short, grouped)
+    # with dropout the same forward rule, masked or not (its drawers beside two consumers), and the Gluon dQ
+    for masked in (False, True):
+        cfg = kernel_config.configs_for(64, True, masked=masked, dropout=True, aligned=True)
+        assert cfg.gluon_fwd and cfg.gluon_dq, masked
+        assert not kernel_config.configs_for(64, True, masked=masked, dropout=True, aligned=True, short=True).gluon_fwd
 
 
 def test_d64_masked_dq_tile_varlen_apart_from_ragged_dense_rows():

@@ -126,11 +126,11 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
                                 # ptxas (Triton 3.6) crashes on the masked dropout dQ at head dims up to 32 with TMA
                                 tma=masked and not (dropout and block_d < 64)),
             atomic_dq=False,
-            # The Gluon forward (three consumer warpgroups, sm90.fwd.CONSUMERS_BY_HEADDIM) wins with or without the
-            # mask but on short rows; with dropout (two consumers beside their drawer warps) only with the mask. The
-            # Gluon dQ loses on dense rows at head dim 64 but with dropout, and on varlen batches runs with the Gluon
-            # dK/dV, which reads the LSE it pads (varlen mix: 282 TFLOP/s fwd+bwd against 254).
-            gluon_fwd=not short and (masked or not dropout),
+            # The Gluon forward (three consumer warpgroups, sm90.fwd.CONSUMERS_BY_HEADDIM; with dropout two beside
+            # their drawer warps) wins with or without the mask but on short rows. The Gluon dQ loses on dense rows
+            # at head dim 64 but with dropout, and on varlen batches runs with the Gluon dK/dV, which reads the LSE
+            # it pads (varlen mix: 282 TFLOP/s fwd+bwd against 254).
+            gluon_fwd=not short,
             gluon_dq=varlen or dropout,
             # with dropout the dK/dV reads K from shared memory and can add dQ itself, sparing the dQ pass its
             # second draw of the keep bits: the backward at causal n8192 9.41 -> 4.67 ms (docs/tuning.md)

@@ -156,6 +156,33 @@ def carry_shift_in_ptx(decisions, addend: str) -> str:
     return "\n".join(lines + ["}"])
 
 
+# A 16-bit pair ($1: two bf16 or fp16 weights of P) with its dropped halves zeroed, for `drop_pairs`: $2, $3 are the
+# two elements' keep words, each shifted so that the element's decision is the top bit of a byte, and $4, $5 their
+# `prmt` selectors, which fill the low half with the sign of the first element's byte (in $2) and the high half with
+# the second's (in $3). One `prmt` and one `and` per pair.
+_DROP_PAIR_ASM = gl.constexpr("{ .reg .b32 m, s; or.b32 s, $4, $5; prmt.b32 m, $2, $3, s; and.b32 $0, $1, m; }")
+
+
+@gluon.jit
+def drop_pairs(p, words, bit, second):
+    """P (a 2-D bf16 or fp16 tile, the A operand of P V or Pᵀ dO in registers) with the weights that dropout drops
+    set to 0: `words` holds each element's 32 keep decisions (broadcast to the kernel's register-split view of
+    the tile, as fwd.py's FWD_KEEP_TILE8 and dkdv.py's KEEP_TILE6), `bit` the position of its own (1 = keep), and
+    `second` is 1 for the second element of each pair of adjacent registers, which share a 32-bit register once P
+    is 16-bit. `bit` and `second` must be known at compile time in every register (aranges of the view's register
+    dimensions), so that the shifts and selectors are constants: at most eight shifts a word, then one `prmt` and
+    one `and` per pair, against a bit test and a select per weight."""
+    shifted = words << (7 - (bit & 7))  # the decision at the top of byte bit >> 3
+    byte = bit >> 3
+    sel = gl.where(second == 0, (8 | byte) * 0x11, (8 | (4 + byte)) * 0x1100)
+    shifted, sel = gl.broadcast(shifted, sel)
+    shape: gl.constexpr = [p.shape[0], p.shape[1]]
+    shifted = gl.convert_layout(gl.reshape(shifted, shape), p.type.layout, assert_trivial=True)
+    sel = gl.convert_layout(gl.reshape(sel, shape), p.type.layout, assert_trivial=True)
+    return gl.inline_asm_elementwise(_DROP_PAIR_ASM, "=r,r,r,r,r,r", [p, shifted, sel], dtype=p.dtype,
+                                     is_pure=True, pack=2)
+
+
 @gluon.jit
 def query_block_program(seqlen_q, seqlen_k, nheads, group_size, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, HEAD_GROUP: gl.constexpr):

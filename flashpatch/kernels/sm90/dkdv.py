@@ -66,9 +66,9 @@ from flashpatch.kernels.config import head_group
 from flashpatch.kernels.launch import cdiv, launch
 from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
-    TMA_REDUCE, alibi_bias, allocate_keep_ring, carry_addend, carry_shift_in_ptx, descriptor, dropout_seed_offset,
-    fp32_descriptor, head_slope_log2, kept_dims, philox_wide, sm90_dense_ok, softcap_scores, tma_load, tma_reduce_add,
-    varlen_lse_start, varlen_pair, vector_descriptor)
+    TMA_REDUCE, alibi_bias, allocate_keep_ring, carry_addend, carry_shift_in_ptx, descriptor, drop_pairs,
+    dropout_seed_offset, fp32_descriptor, head_slope_log2, kept_dims, philox_wide, sm90_dense_ok, softcap_scores,
+    tma_load, tma_reduce_add, varlen_lse_start, varlen_pair, vector_descriptor)
 from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_rows, head_and_block
 
 BLOCK_M = {64: 64, 128: 64}  # queries per step, by head dim
@@ -145,14 +145,29 @@ def _register_dims():
 
 
 @gluon.jit
+def _keep_bit(word):
+    """Each register's position of its keep decision in the consumer thread's word (KEEP_WORDS), known at compile
+    time in every register, and the word broadcast over the register dimensions: KEEP_TILE6's view."""
+    key3, query_hi, query0 = _register_dims()
+    bit = key3 + 2 * (query_hi & 1) + 4 * query0 + 8 * (query_hi >> 1)
+    return word[:, None, :, None, :, None], bit, query0
+
+
+@gluon.jit
 def _keep_tile(word, like):
     """The step's (HALF_N, BLOCK_M) keep tile in the layout of `like` (the consumer's Sᵀ) from the consumer
     thread's word (KEEP_WORDS): each register takes its own bit, at a position known at compile time."""
-    key3, query_hi, query0 = _register_dims()
-    bit = key3 + 2 * (query_hi & 1) + 4 * query0 + 8 * (query_hi >> 1)
-    bits = (word[:, None, :, None, :, None] >> bit) & 1
-    bits = gl.reshape(bits, [like.shape[0], like.shape[1]])
+    words, bit, query0 = _keep_bit(word)
+    bits = gl.reshape((words >> bit) & 1, [like.shape[0], like.shape[1]])
     return gl.convert_layout(bits, like.type.layout, assert_trivial=True) != 0
+
+
+@gluon.jit
+def _drop(p_t, word):
+    """Pᵀ of the step (16-bit, the consumer's Sᵀ layout) with the dropped weights zeroed (`common.drop_pairs`; the
+    pairs are adjacent queries, query bit 0)."""
+    words, bit, query0 = _keep_bit(word)
+    return drop_pairs(p_t, words, bit, query0)
 
 
 @gluon.jit
@@ -329,9 +344,7 @@ def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, rea
     elif MASK == 4:
         p_t = _window_mask(p_t, offs_n, offs_m, m0 + shift - window_left)
     if DROPOUT:
-        keep = _keep_tile(word, zero_s)
-        dv = warpgroup_mma(gl.convert_layout(gl.where(keep, p_t, 0.0).to(dtype), a_layout), do_s, dv,
-                           is_async=True)
+        dv = warpgroup_mma(gl.convert_layout(_drop(p_t.to(dtype), word), a_layout), do_s, dv, is_async=True)
     else:
         dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
     if SOFTCAP:  # dS = P (1 - t^2) (dP - delta): P has gone to dV, the cap's derivative joins it here

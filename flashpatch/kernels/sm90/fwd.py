@@ -30,8 +30,8 @@ backward, so that the Philox arithmetic runs beside the consumers' matmuls and s
   drawer w (4 warps):    per step, the Philox calls of consumer w's (64 queries, 128 keys) tile at the counters of
                          triton.common.dropout_keep (the bits every kernel draws), eight decisions a call shifted into
                          two 32-bit words per consumer thread, into a ring of KEEP_SLOTS slots (`keep_full` /
-                         `keep_empty`); the consumer expands its words in registers (`_fwd_keep_tile`) and zeroes the
-                         dropped weights of P before P V, after the running sum has counted them.
+                         `keep_empty`); the consumer zeroes the dropped weights of P (`_fwd_drop`) before P V, after the
+                         running sum has counted them.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from flashpatch.kernels.launch import cdiv, launch
 from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     allocate_keep_ring, allocate_kv_ring, allocate_query_barriers, alibi_bias, carry_addend, carry_shift_in_ptx,
-    descriptor, dropout_seed_offset, head_slope_log2, kept_dims, key_limit, persistent_rounds,
+    descriptor, drop_pairs, dropout_seed_offset, head_slope_log2, kept_dims, key_limit, persistent_rounds,
     persistent_tile, philox_wide, producer_persistent, query_block_of_tile, query_block_program, sm90_dense_ok,
     softcap_tanh, stream_kv, tma_load, varlen_query_block_program, window_keys, window_steps)
 from flashpatch.kernels.sm90.schedule import causal_schedule_tensor
@@ -77,7 +77,8 @@ KEEP_SLOTS = 2  # each consumer's ring of keep words
 # (key >> 4). They come from the consumer's drawer as two 32-bit words per consumer thread: decision (query bit 3,
 # key) is word key >> 6's bit
 #     8 * ((key >> 4) & 3) + 2 * (2 * query bit 3 + key bit 3) + key bit 0,
-# the order in which the drawer shifts them in (`_shift_in_call`).
+# the order in which the drawer shifts them in (`_shift_in_call`); the consumer zeroes the dropped weights of P
+# once it is 16-bit, two at a time (`_fwd_drop`).
 # FWD_KEEP_TILE8 is S as (query >> 4, query bit 3, query & 7, key >> 6, (key >> 4) & 3, key bit 3, (key >> 1) & 3,
 # key bit 0): the accumulator layout with its register dimensions apart, so that a thread's word broadcast over
 # them gives each register its bit at a position known at compile time.
@@ -161,17 +162,16 @@ def _draw_index(n: gl.constexpr, DIM: gl.constexpr, DRAW: gl.constexpr):
 
 
 @gluon.jit
-def _fwd_keep_tile(words, like):
-    """The step's (HALF_M, BLOCK_N) keep tile in the layout of `like` (the consumer's S) from the consumer
-    thread's two words (FWD_KEEP_WORDS): each register takes its own bit, at a position known at compile time."""
+def _fwd_drop(p, words):
+    """The step's P ((HALF_M, BLOCK_N), 16-bit, the consumer's S layout) with the dropped weights zeroed, from the
+    consumer thread's two words (FWD_KEEP_WORDS): `common.drop_pairs`, each register's bit at a position known at
+    compile time; the pairs are adjacent keys (key bit 0)."""
     query3 = gl.arange(0, 2, layout=FWD_KEEP_QUERY3)[None, :, None, None, None, None, None, None]
     call = gl.arange(0, 4, layout=FWD_KEEP_CALL)[None, None, None, None, :, None, None, None]
     key3 = gl.arange(0, 2, layout=FWD_KEEP_KEY3)[None, None, None, None, None, :, None, None]
     key0 = gl.arange(0, 2, layout=FWD_KEEP_KEY0)[None, None, None, None, None, None, None, :]
     bit = 8 * call + 4 * query3 + 2 * key3 + key0
-    bits = (words[:, None, :, :, None, None, :, None] >> bit) & 1
-    bits = gl.reshape(bits, [like.shape[0], like.shape[1]])
-    return gl.convert_layout(bits, like.type.layout, assert_trivial=True) != 0
+    return drop_pairs(p, words[:, None, :, :, None, None, :, None], bit, key0)
 
 
 @gluon.jit
@@ -210,11 +210,12 @@ def _fwd_step(i, ring, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, emp
     qk = warpgroup_mma_wait(0, deps=(qk, ))  # (HALF_M, BLOCK_N)
     p, m_new, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, key_lo, qk_scale, cap_log2,
                                            alibi_log2, MASKED, ALIBI, BLOCK_N, FOLD, SOFTCAP, WINDOW)
+    p = p.to(q_s.dtype)
     if DROPOUT:
-        p = gl.where(_fwd_keep_tile(words, p), p, 0.0)
+        p = _fwd_drop(p, words)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
     mbarrier.wait(ready_v.index(s), phase)
-    acc = warpgroup_mma(gl.convert_layout(p.to(q_s.dtype), a_layout), v_bufs.index(s), acc, is_async=True)
+    acc = warpgroup_mma(gl.convert_layout(p, a_layout), v_bufs.index(s), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(empty.index(s))
     if DROPOUT:
