@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Multi-GPU recipe runs for one device call on a machine of 4 GPUs (2-GPU steps also run on a 2-GPU machine):
-#   bash tools/multi_gpu_suite.sh [tests2] [ddp2] [fsdp2] [fsdp4] [balanced2] ...
+#   bash tools/multi_gpu_suite.sh [tests2] [ddp2] [fsdp2] [fsdp4] [balanced2] [balanced4] ...
 # tests2: the 2-GPU recipe tests (tests/test_recipes_multiproc.py -m gpu) on GPUs 0,1; where 4 GPUs exist, ddp2
 #   runs beside them on GPUs 2,3 (separate NCCL ports).
 # ddp2, fsdp2, fsdp4: llama_1b dense and padded_real_lengths, sdpa against fpatch in 4 rounds with the order rotated
 #   (recipes/ranking.py), under configs/accelerate/{ddp_2gpu,fsdp2_2gpu,fsdp2_4gpu}.yaml.
-# balanced2: padded_real_lengths under FSDP2 on 2 GPUs with each step's rows dealt across the ranks by real tokens
-#   (--balance_ranks true), the same rounds.
+# balanced2, balanced4: padded_real_lengths under FSDP2 on 2 or 4 GPUs with each step's rows dealt across the ranks
+#   by real tokens (--balance_ranks true), the same rounds.
 # Reports go to $WORK/<step>_<config>/ and are packed into $OUT/multi_gpu.tgz after each step; a summary prints last.
 set -uo pipefail
 OUT=${OUT:-runs/multi_gpu}
@@ -48,6 +48,7 @@ for step in ${*:-tests2 fsdp2 fsdp4}; do
     fsdp2) rank fsdp2 0,1 fsdp2_2gpu 29613 ;;
     fsdp4) rank fsdp4 0,1,2,3 fsdp2_4gpu 29614 ;;
     balanced2) CONFIGS=padded_real_lengths rank balanced2 0,1 fsdp2_2gpu 29615 --balance_ranks true ;;
+    balanced4) CONFIGS=padded_real_lengths rank balanced4 0,1,2,3 fsdp2_4gpu 29616 --balance_ranks true ;;
     *) echo "$step: unknown step" >> "$WORK/summary.txt" ;;
   esac
   echo "  ($step: $(( $(date +%s) - start )) s)" >> "$WORK/summary.txt"
