@@ -31,6 +31,27 @@ def orders(implementations: list[str], rounds: int) -> list[list[str]]:
     return [implementations[r % n:] + implementations[: r % n] for r in range(rounds)] if n else []
 
 
+SLOW_STEP = 3.0  # a step over this many times its implementation's median step is reported apart (`slow_steps`)
+
+
+def paired_ratios(base_ms: list[float], impl_ms: list[float]) -> dict:
+    """Against the base implementation (sdpa), the ratio of step times on the same batch, base / impl (> 1: impl is
+    faster), for each of the steps both ran: their median and quartiles. Unlike tokens/s over a round, one stalled
+    step (a multi-second hiccup of the machine) moves the median by one place instead of the whole figure."""
+    ratios = sorted(b / t for b, t in zip(base_ms, impl_ms) if t > 0 and b > 0)
+    if not ratios:
+        return {}
+    q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    return {"vs_sdpa_paired": round(median, 4), "vs_sdpa_paired_q1": round(q1, 4), "vs_sdpa_paired_q3": round(q3, 4)}
+
+
+def slow_steps(step_ms: list[float], steps_per_round: int, factor: float = SLOW_STEP) -> list[list]:
+    """[round, step in round, ms] of each step over `factor` times the median of `step_ms` (round after round)."""
+    limit = factor * statistics.median(step_ms)
+    return [[i // steps_per_round + 1, i % steps_per_round + 1, round(t, 1)]
+            for i, t in enumerate(step_ms) if t > limit]
+
+
 def switch_implementation(model, impl: str) -> None:
     """fpatch_pf is the "fpatch" implementation with patch_model(model, padding_free=True); the others switch
     plainly (unpatching first restores the implementation patch_model found)."""
@@ -179,6 +200,7 @@ def compare(cfg, accelerator, batches, tokenizer, skip_reasons: dict, build_trai
             step_times_ms=[round(t, 2) for t in flat_ms],  # round after round, each step the slowest rank's
             round_tokens_per_s=[round(t, 1) for t in tps],
             round_median_step_ms=[round(t, 2) for t in round_median_ms],
+            slow_steps=slow_steps(flat_ms, steps),
             # the implementation's own spread: (max - min) / median of its per-round tokens/s
             round_spread=(max(tps) - min(tps)) / statistics.median(tps),
             gc_ms=per[impl]["gc_ms"],
@@ -199,7 +221,8 @@ def compare(cfg, accelerator, batches, tokenizer, skip_reasons: dict, build_trai
         ratios = [t / b for t, b in zip(round_tps[impl], base)]  # paired: same round, same batches
         rows[impl].update(vs_sdpa=rows[impl]["tokens_per_s"] / rows["sdpa"]["tokens_per_s"],
                           vs_sdpa_rounds=[round(x, 4) for x in ratios], vs_sdpa_min=round(min(ratios), 4),
-                          vs_sdpa_max=round(max(ratios), 4))
+                          vs_sdpa_max=round(max(ratios), 4),
+                          **paired_ratios(rows["sdpa"]["step_times_ms"], rows[impl]["step_times_ms"]))
     return list(rows.values()), info
 
 
@@ -208,19 +231,34 @@ def table(report: dict) -> str:
     on_gpu = report["environment"]["device_type"] == "cuda"
     mem_key, mem_col = ("peak_allocated_gib", "peak alloc GiB") if on_gpu else ("peak_rss_gib", "peak RSS GiB")
     lines = [
-        f"| implementation | status | tokens/s | round spread | vs sdpa (rounds min-max) | step ms median | "
-        f"{mem_col} per rank |",
-        "|---|---|---|---|---|---|---|",
+        f"| implementation | status | tokens/s | round spread | vs sdpa (rounds min-max) | vs sdpa, paired steps "
+        f"(quartiles) | step ms median | {mem_col} per rank |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
         if r["status"] != "ok":
             lines.append(f"| {r['implementation']} | {r['status']}: {r.get('reason') or ''}"[:100] + " | - | - | - | - "
-                         "| - |")
+                         "| - | - |")
             continue
-        vs = "-"
+        vs = paired = "-"
         if r.get("vs_sdpa") is not None:
             vs = f"{r['vs_sdpa']:.3f}x ({r['vs_sdpa_min']:.3f}-{r['vs_sdpa_max']:.3f})"
+        if r.get("vs_sdpa_paired") is not None:
+            paired = f"{r['vs_sdpa_paired']:.3f}x ({r['vs_sdpa_paired_q1']:.3f}-{r['vs_sdpa_paired_q3']:.3f})"
         mem = " / ".join(f"{x:.2f}" for x in r.get(mem_key) or [])
         lines.append(f"| {r['implementation']} | ok | {r['tokens_per_s']:,.0f} | {100 * r['round_spread']:.1f}% | "
-                     f"{vs} | {r['step_time_ms_median']:.1f} | {mem} |")
+                     f"{vs} | {paired} | {r['step_time_ms_median']:.1f} | {mem} |")
     return "\n".join(lines)
+
+
+def slow_step_notes(report: dict) -> list[str]:
+    """A line per implementation with steps over SLOW_STEP times its median step (`slow_steps`)."""
+    notes = []
+    for r in report["results"]:
+        slow = r.get("slow_steps") or []
+        if slow:
+            listed = ", ".join(f"round {rnd} step {k}: {ms:,.0f} ms" for rnd, k, ms in slow)
+            notes.append(f"\n{r['implementation']}: {len(slow)} of {r['measured_steps']} steps took over "
+                         f"{SLOW_STEP:g}x its median step ({listed}); tokens/s and the round ratios count them, the "
+                         "median step and the paired ratios barely move.")
+    return notes

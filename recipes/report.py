@@ -124,7 +124,8 @@ def history_case(report: dict) -> str:
 
 
 def history_figures(report: dict) -> list[tuple[str, str, str, float]]:
-    """(case, implementation, metric, value) per successful implementation: tokens/s, median step, peak memory."""
+    """(case, implementation, metric, value) per successful implementation: tokens/s, median step, peak memory, and in
+    ranking mode the median of the step-by-step ratios against sdpa (ranking.paired_ratios)."""
     case = history_case(report)
     figures = []
     for r in report["results"]:
@@ -133,7 +134,8 @@ def history_figures(report: dict) -> list[tuple[str, str, str, float]]:
         for metric, value in (("tokens_per_s", r.get("tokens_per_s")),
                               ("step_time_ms_median", r.get("step_time_ms_median")),
                               ("peak_allocated_gib", _max_or_none(r.get("peak_allocated_gib"))),
-                              ("peak_reserved_gib", _max_or_none(r.get("peak_reserved_gib")))):
+                              ("peak_reserved_gib", _max_or_none(r.get("peak_reserved_gib"))),
+                              ("vs_sdpa_paired", r.get("vs_sdpa_paired"))):
             figures.append((case, r["implementation"], metric, value))
     return figures
 

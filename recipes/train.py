@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{', rows balanced across ranks' if out['environment']['balanced_ranks'] else ''}\n"
         )
         print(ranking.table(out) if ranked else report.markdown_table(out), flush=True)
-        for note in report.compile_notes(out) + ([] if ranked else report.rank_notes(out)):
+        for note in report.compile_notes(out) + (ranking.slow_step_notes(out) if ranked else report.rank_notes(out)):
             print(note, flush=True)
     return out
 

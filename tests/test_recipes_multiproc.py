@@ -66,8 +66,8 @@ def check_traces(out: Path, implementations: list[str], world: int) -> list[dict
 
 
 def test_train_two_cpu_ranks(tmp_path):
-    """configs/accelerate/cpu_ddp2.yaml: DDP over 2 CPU processes (the path where the wrapped model's attributes were once read), with the
-    first measured step traced (and so left out of the figures)."""
+    """configs/accelerate/cpu_ddp2.yaml: DDP over 2 CPU processes (the path where the wrapped model's attributes were
+    once read), with the first measured step traced (and so left out of the figures)."""
     out = tmp_path / "run"
     args = [*TINY, "--implementations", "eager,sdpa,fpatch", "--profile_step", "2", "--output_dir", str(out)]
     proc = launch("cpu_ddp2.yaml", args, tmp_path, timeout=300)
@@ -102,9 +102,15 @@ def test_rounds_two_cpu_ranks(tmp_path):
         assert r["vs_sdpa"] <= r["vs_sdpa_max"] + 1e-4 and max(r["vs_sdpa_rounds"]) == r["vs_sdpa_max"]
     assert rows["sdpa"]["vs_sdpa_rounds"] == [1.0, 1.0]
     assert rows["fpatch"]["vs_sdpa_max"] < 0.5  # the Triton interpreter: far slower on every round
+    # step by step on the same batches: sdpa against itself is 1, the interpreter far below on every step
+    assert rows["sdpa"]["vs_sdpa_paired"] == rows["sdpa"]["vs_sdpa_paired_q3"] == 1.0
+    fp = rows["fpatch"]
+    assert fp["vs_sdpa_paired_q1"] <= fp["vs_sdpa_paired"] <= fp["vs_sdpa_paired_q3"]
+    assert rows["fpatch"]["vs_sdpa_paired_q3"] < 0.5
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    assert lines[-5].startswith("| implementation | status | tokens/s | round spread | vs sdpa")
-    assert [line.split("|")[1].strip() for line in lines[-3:]] == ["eager", "sdpa", "fpatch"]
+    header = next(i for i, line in enumerate(lines) if line.startswith("| implementation |"))
+    assert "| vs sdpa (rounds min-max) | vs sdpa, paired steps (quartiles) |" in lines[header]
+    assert [line.split("|")[1].strip() for line in lines[header + 2:header + 5]] == ["eager", "sdpa", "fpatch"]
 
 
 def test_balanced_ranks_two_cpu_ranks(tmp_path):
@@ -136,6 +142,28 @@ def test_rounds_settings():
         parse_config(["--rounds", "2", "--compile", "default"])
     with pytest.raises(ValueError, match="profile_step"):
         parse_config(["--rounds", "2", "--profile_step", "1"])
+
+
+def test_paired_ratios_and_slow_steps():
+    import ranking
+
+    # one stalled step (the 4th of fpatch's) drags tokens/s; the paired median moves by one place only
+    sdpa = [100.0, 100.0, 100.0, 100.0, 120.0, 120.0]
+    fpatch = [80.0, 80.0, 80.0, 2000.0, 96.0, 96.0]
+    paired = ranking.paired_ratios(sdpa, fpatch)
+    assert paired["vs_sdpa_paired"] == 1.25 and paired["vs_sdpa_paired_q1"] == 1.25
+    assert round(sum(sdpa) / sum(fpatch), 3) == 0.263  # what tokens/s over the steps would say
+    assert ranking.paired_ratios(sdpa, sdpa) == {"vs_sdpa_paired": 1.0, "vs_sdpa_paired_q1": 1.0,
+                                                  "vs_sdpa_paired_q3": 1.0}
+    assert ranking.paired_ratios([50.0], [25.0])["vs_sdpa_paired"] == 2.0
+    assert ranking.paired_ratios([], []) == {}
+    assert ranking.slow_steps(fpatch, 3) == [[2, 1, 2000.0]]  # round 2, its first step
+    assert ranking.slow_steps(sdpa, 3) == []
+    report = {"results": [{"implementation": "fpatch", "slow_steps": [[2, 1, 2000.0]], "measured_steps": 6},
+                          {"implementation": "sdpa", "slow_steps": [], "measured_steps": 6}]}
+    notes = ranking.slow_step_notes(report)
+    assert len(notes) == 1
+    assert "fpatch: 1 of 6 steps took over 3x its median step (round 2 step 1: 2,000 ms)" in notes[0]
 
 
 def test_rounds_rotate_the_order():
