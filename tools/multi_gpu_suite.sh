@@ -57,4 +57,4 @@ for step in ${*:-tests2 fsdp2 fsdp4}; do
 done
 echo; echo "== multi_gpu_suite summary =="; cat "$WORK/env.txt" "$WORK/summary.txt"
 grep -E "^FAILED|^ERROR" "$WORK/tests2.log" 2>/dev/null | head
-for f in "$WORK"/*.md; do echo; echo "### $(basename "$f")"; tail -n 6 "$f"; done
+for f in "$WORK"/*.md; do echo; echo "### $(basename "$f")"; sed -n "/^| implementation/,\$p" "$f"; done
