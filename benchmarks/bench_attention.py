@@ -4,7 +4,7 @@
     python benchmarks/bench_attention.py --seqlens 4096,8192,16384 --peers fpatch,sdpa_flash,sdpa_cudnn,flex
 
 Cases: dense full and causal at head dim 64 and 128 (B·N = 16k tokens, H·D = 2048), GQA (4 query heads per K/V
-head), dropout p = 0.1, ALiBi (SDPA gets it as a float mask, FlexAttention as a score_mod), and varlen: document
+head), dropout p = 0.1 (dense, and one varlen case), ALiBi (SDPA gets it as a float mask, FlexAttention as a score_mod), and varlen: document
 lengths log-uniform in 64..4096 totalling 64k tokens, causal, where flashpatch and FlexAttention (document mask) see
 the packed documents and SDPA sees them padded to the longest (right padding + is_causal: the pad never reaches a
 real token, so its fastest backends apply; the pad's work is SDPA's cost of not unpadding). Each cell is fwd / bwd /
@@ -129,6 +129,10 @@ def build_cases(quick: bool, seqlens: tuple[int, ...] | None = None) -> list[Cas
         cases.append(Case(f"d128 varlen GQA 16/8 {len(lens)} docs 64..4096", len(lens), 16, 8, max(lens), 128, True,
                           0.0, lens))
         cases.append(Case(f"d64 varlen {len(lens)} docs 64..4096", len(lens), 16, 16, max(lens), 64, True, 0.0, lens))
+        # a padded batch with attention dropout, as the transformers integration hands it over unpadded (GPT-2 style
+        # d64 heads): varlen with dropout runs the portable kernels
+        cases.append(Case(f"d64 varlen dropout0.1 {len(lens)} docs 64..4096", len(lens), 16, 16, max(lens), 64, True,
+                          0.1, lens))
     return cases
 
 
