@@ -32,9 +32,9 @@ from flashpatch.memo import once_per_tensor
 from flashpatch.padding import covers_its_span
 
 if sm90.AVAILABLE:  # the Gluon kernels, which take the calls in their scope where sm90.enabled()
-    from flashpatch.kernels.sm90 import dkdv as sm90_dkdv, dq as sm90_dq, fwd as sm90_fwd
+    from flashpatch.kernels.sm90 import dkdv as sm90_dkdv, dkdv256 as sm90_dkdv256, dq as sm90_dq, fwd as sm90_fwd
 else:  # pragma: no cover - depends on the installed Triton
-    sm90_dkdv = sm90_dq = sm90_fwd = None
+    sm90_dkdv = sm90_dkdv256 = sm90_dq = sm90_fwd = None
 
 LOG2E = math.log2(math.e)
 _INTERPRETED = type(attn_fwd_kernel).__name__ == "InterpretedFunction"
@@ -485,8 +485,9 @@ def _bwd_plan(q, k, v, dout, varlen, batch, max_seqlen_q, max_seqlen_k, window_l
     # The Gluon Hopper kernels take the calls in their scope (sm90.common.sm90_dense_ok), the Triton ones the rest
     gluon_scope = dict(varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
                        window_right=window_right, softcap=softcap, dropout_p=dropout_p)
-    gluon_dkdv = cfgs.gluon_dkdv and sm90_dkdv is not None and sm90_dkdv.supported(q, k, v, dout, **gluon_scope)
-    fuses_dq = gluon_dkdv and sm90_dkdv.fuses_dq(headdim, dropout_p > 0)  # whether the Gluon dK/dV could add dQ
+    dkdv_kernel = sm90_dkdv256 if headdim == 256 else sm90_dkdv  # head dim 256 has its own
+    gluon_dkdv = cfgs.gluon_dkdv and dkdv_kernel is not None and dkdv_kernel.supported(q, k, v, dout, **gluon_scope)
+    fuses_dq = gluon_dkdv and dkdv_kernel.fuses_dq(headdim, dropout_p > 0)  # whether the Gluon dK/dV could add dQ
     fused_dq = not deterministic and cfgs.fused_dq and gluon_dkdv and fuses_dq
     # config's atomic dQ is the Triton dK/dV's, taken with dropout to spare the dQ pass its second draw; where the
     # Gluon dK/dV draws the bits, its fused dQ or the separate pass beside it is faster
@@ -594,7 +595,11 @@ def attn_bwd_impl(
 
     def launch_dkdv(stream: Optional[int] = None):  # stream: a raw CUDA stream handle, None for the current one
         # host work only from here: on a side stream, device work of the current stream would not be ordered
-        if dkdv_on_gluon:
+        if dkdv_on_gluon and headdim == 256:
+            sm90_dkdv256.attn_bwd_dkdv256(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal,
+                                          alibi_slopes, options=opts, stream=stream, site=site,
+                                          window_left=window_left, cap_log2=cap_log2)
+        elif dkdv_on_gluon:
             sm90_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal,
                                       alibi_slopes, dq_accum=dq_accum if atomic_dq else None,
                                       seed_offset=seed_offset, dropout_p=dropout_p, options=opts, stream=stream,

@@ -11,7 +11,7 @@ import flashpatch
 from flashpatch.kernels import config as kernel_config
 from flashpatch.kernels import options as kernel_options
 from flashpatch.kernels import sm90
-from flashpatch.kernels.sm90 import dkdv as sm90_dkdv, dq as sm90_dq, fwd as sm90_fwd
+from flashpatch.kernels.sm90 import dkdv as sm90_dkdv, dkdv256 as sm90_dkdv256, dq as sm90_dq, fwd as sm90_fwd
 from flashpatch.padding import cu_seqlens_from_lengths
 from flashpatch.reference import varlen_attention_reference
 from tests.helpers import check_against_reference, random_qkv
@@ -288,6 +288,57 @@ def _check_gluon_case(case, dtype, monkeypatch, make_slopes=None, **options):
         grads = torch.autograd.grad(out, (q, k, v), dout)
     assert sorted(calls) == ["attn_bwd_dkdv", "attn_bwd_dq", "attn_fwd"], calls
     check_against_reference(out, grads, q, k, v, dout, **kwargs)
+
+
+# Head dim 256's Gluon backward (sm90/dkdv256.py: one consumer's Pᵀ and dV, the other's dSᵀ and dK; dq.py with
+# 32 keys a step): GQA, causal with Sq != Sk both ways (rows that see no key), lengths that divide no tile (1, 17,
+# 113, 1023; keys past seqlen_k come from the next head's rows, masked), (B, H, S, D) memory
+GLUON_D256_CASES = [
+    (1, 1024, 1024, 4, 2, 256, True, "bshd"),
+    (2, 1023, 1023, 2, 2, 256, False, "bshd"),
+    (1, 640, 1152, 4, 2, 256, True, "bhsd"),
+    (2, 384, 128, 4, 1, 256, True, "bshd"),  # Sq > Sk: the first 256 queries see no key
+    (2, 113, 17, 2, 1, 256, True, "bshd"),
+    (2, 17, 113, 2, 2, 256, False, "bshd"),
+    (3, 1, 1, 2, 1, 256, True, "bshd"),
+]
+
+
+def _check_gluon_d256(case, dtype, monkeypatch, **kwargs):
+    """A GLUON_D256_CASES case with flash_attn_func's kwargs, asserting that the Gluon d256 dK/dV and dQ ran."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order = case
+    calls = _record_launches(monkeypatch, ((sm90_dkdv256, "attn_bwd_dkdv256"), (sm90_dq, "attn_bwd_dq")))
+    q, k, v = _gluon_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, order, dtype)
+    kwargs = dict(kwargs, causal=causal)
+    with kernel_options.override(gluon_dkdv=True, gluon_dq=True):
+        out = flashpatch.flash_attn_func(q, k, v, **kwargs)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert sorted(calls) == ["attn_bwd_dkdv256", "attn_bwd_dq"], calls
+    check_against_reference(out, grads, q, k, v, dout, **kwargs)
+
+
+@needs_gluon
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", GLUON_D256_CASES, ids=_gluon_id)
+def test_gluon_d256_dkdv_matches_float64(case, dtype, monkeypatch):
+    _check_gluon_d256(case, dtype, monkeypatch)
+
+
+@needs_gluon
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case, kwargs", [
+    (GLUON_D256_CASES[0], {"softcap": 50.0}),
+    ((1, 1000, 1531, 4, 2, 256, True, "bshd"), {"softcap": 50.0, "window_size": (255, 0)}),  # Gemma-2-style
+    ((2, 1000, 1000, 4, 4, 256, True, "bshd"), {"window_size": (100, 0)}),
+    (GLUON_D256_CASES[2], {"alibi_slopes": "per_head"}),
+    (GLUON_D256_CASES[1], {"alibi_slopes": "per_batch"}),
+], ids=lambda x: _gluon_id(x) if isinstance(x, tuple) else "-".join(f"{k}={v}" for k, v in x.items()))
+def test_gluon_d256_dkdv_softcap_window_alibi_match_float64(case, kwargs, dtype, monkeypatch):
+    if "alibi_slopes" in kwargs:
+        slopes = _geometric_slopes(case[0], case[3])
+        kwargs = dict(kwargs, alibi_slopes=slopes if kwargs["alibi_slopes"] == "per_batch" else slopes[0])
+    _check_gluon_d256(case, dtype, monkeypatch, **kwargs)
 
 
 @needs_gluon

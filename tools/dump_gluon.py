@@ -1,8 +1,9 @@
-"""Compile a Gluon Hopper kernel (flashpatch/kernels/sm90/fwd.py, dkdv.py, dq.py) for sm_90 without a GPU and
-report shared memory, registers and spills, and the barriers in its PTX.
+"""Compile a Gluon Hopper kernel (flashpatch/kernels/sm90/fwd.py, dkdv.py, dkdv256.py, dq.py) for sm_90 without a
+GPU and report shared memory, registers and spills, and the barriers in its PTX.
 
-    PYTHONPATH=/tmp/t36 python tools/dump_gluon.py {dkdv,dq,fwd} [--headdim 128] [--causal] [--stages 2] [--dropout]
-        [--alibi] [--persistent] [--set FOLD=1 --set REG_KV=1 ...]
+    PYTHONPATH=/tmp/t36 python tools/dump_gluon.py {dkdv,dkdv256,dq,fwd} [--headdim 128] [--causal] [--stages 2]
+        [--dropout] [--alibi] [--persistent] [--set FOLD=1 --set REG_KV=1 ...]
+(dkdv256 is head dim 256's dK/dV; dq takes --headdim 256 --block-n 32, as its launcher does.)
 """
 
 import argparse
@@ -21,13 +22,14 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from flashpatch.kernels import options  # noqa: E402
 from flashpatch.kernels.sm90 import dkdv as hk  # noqa: E402
+from flashpatch.kernels.sm90 import dkdv256 as hk256  # noqa: E402
 from flashpatch.kernels.sm90 import dq as hq  # noqa: E402
 from flashpatch.kernels.sm90 import fwd as hf  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("kernel", choices=["dkdv", "dq", "fwd"])
+    parser.add_argument("kernel", choices=["dkdv", "dkdv256", "dq", "fwd"])
     parser.add_argument("--block-n", type=int, default=0)
     parser.add_argument("--headdim", type=int, default=128)
     parser.add_argument("--causal", action="store_true")
@@ -64,6 +66,15 @@ def main():
                       HEAD_GROUP=args.head_group, REG_KV=hk.register_kv(d, args.dropout), LSE_FIRST=hk.lse_first(d),
                       CONSUMER_REGS=hk.consumer_registers(d, args.dropout),
                       PRODUCER_REGS=hk.worker_registers(args.dropout), FUSED_DQ=False, DROPOUT=args.dropout, KEY_TAIL=args.key_tail or args.varlen)
+    elif args.kernel == "dkdv256":
+        fn, maxnreg, d = hk256.attn_bwd_dkdv256_kernel, hk256.MAXNREG, hk256.HEADDIM
+        bm = hk256.BLOCK_M
+        vec = f"tensordesc<fp32[{bm}],{gl.NVMMASharedLayout.get_default_for([bm], gl.float32)!r}>"
+        descs = {"q_desc": desc(bm), "do_desc": desc(bm), "k_desc": desc(hk256.BLOCK_N),
+                 "v_desc": desc(hk256.BLOCK_N), "lse_desc": vec, "delta_desc": vec}
+        consts = dict(CAUSAL=args.causal, HEADDIM=d, BLOCK_M=bm, BLOCK_N=hk256.BLOCK_N,
+                      STAGES=args.stages or hk256.STAGES, HEAD_GROUP=args.head_group,
+                      CONSUMER_REGS=hk256.CONSUMER_REGS, PRODUCER_REGS=hk256.PRODUCER_REGS, KEY_TAIL=args.key_tail)
     elif args.kernel == "dq":
         fn, maxnreg = hq.attn_bwd_dq_hopper_kernel, hq.MAXNREG
         bn = args.block_n or hq.BLOCK_N
@@ -103,6 +114,7 @@ def main():
         consts.update(ALIBI_SLOPES=None)  # what the JIT makes of a None argument
     if args.kernel == "dkdv" and not consts.get("FUSED_DQ"):
         consts.update(dq_desc=None)  # no dQ buffer: the dK/dV kernel alone
+    consts = {name: value for name, value in consts.items() if name in fn.arg_names}
     sig = {}
     for name in fn.arg_names:
         if name in consts:

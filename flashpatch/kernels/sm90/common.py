@@ -1,7 +1,7 @@
-"""What the Gluon kernels of fwd.py, dkdv.py and dq.py share: which calls they may take (`sm90_dense_ok`), the
-2-D TMA views of (B, S, H, D) tensors they load from, and the Gluon functions of more than one kernel (a program's
+"""What the Gluon kernels of fwd.py, dkdv.py, dkdv256.py and dq.py share: which calls they may take (`sm90_dense_ok`),
+the 2-D TMA views of (B, S, H, D) tensors they load from, and the Gluon functions of more than one kernel (a program's
 query block, the K/V ring and its producer loop, the persistent grid's tiles, the Philox draw of the keep bits, the
-drawers' rings). Imported only where Gluon is (sm90.AVAILABLE)."""
+drawers' rings, the dK/dV kernels' producer, step order and masks). Imported only where Gluon is (sm90.AVAILABLE)."""
 
 from __future__ import annotations
 
@@ -59,12 +59,12 @@ def rows_view(t: torch.Tensor):
 
 def sm90_dense_ok(*tensors: torch.Tensor, varlen: bool, window_left: int, window_right: int, softcap: float,
                   dropout_p: float, with_dropout: bool = False, with_varlen: bool = False,
-                  with_window: bool = False, with_softcap: bool = False) -> bool:
+                  with_window: bool = False, with_softcap: bool = False, headdims: tuple = (64, 128)) -> bool:
     """The scope the Gluon kernels share: sm_90 with Gluon enabled (`enabled`), dense (B, S, H, D) tensors that
-    `rows_view` maps (varlen (T, H, D) ones where the kernel takes them: `with_varlen`), bf16 or fp16, head dim 64
-    or 128, causal or unmasked (or a causal sliding window without dropout: `with_window`), no softcap unless the
-    kernel caps the scores (`with_softcap`), no dropout unless the kernel draws it (`with_dropout`), 32-bit element
-    offsets. Any lengths: the kernels mask a last tile that runs past a sequence (`key_limit`, the backward's padded
+    `rows_view` maps (varlen (T, H, D) ones where the kernel takes them: `with_varlen`), bf16 or fp16, one of the
+    kernel's `headdims`, causal or unmasked (or a causal sliding window without dropout: `with_window`), no softcap
+    unless the kernel caps the scores (`with_softcap`), no dropout unless the kernel draws it (`with_dropout`), 32-bit
+    element offsets. Any lengths: the kernels mask a last tile that runs past a sequence (`key_limit`, the backward's padded
     LSE)."""
     q = tensors[0]
     if not (enabled() and q.is_cuda and capability(q.device) == (9, 0)):
@@ -74,7 +74,7 @@ def sm90_dense_ok(*tensors: torch.Tensor, varlen: bool, window_left: int, window
         return False
     if window_left >= 0 and not (with_window and window_right == 0 and dropout_p == 0):
         return False
-    if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128):
+    if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in headdims:
         return False
     views = [t.unsqueeze(0) if varlen else t for t in tensors]  # varlen (T, H, D) as one row of T tokens
     return all(rows_view(t) is not None and t.data_ptr() % 16 == 0 and t.numel() < 2**31 for t in views)
@@ -525,3 +525,54 @@ def producer_persistent(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
             ring += n_steps
             done += 1
 
+
+@gluon.jit
+def next_query_step(g, m0, m_lo, m_end, BLOCK_M: gl.constexpr):
+    """The (head in the GQA group, first query row) after step (g, m0): the next query block of the head, or
+    the next head's first (m_lo). Carried through the loop instead of derived from the step count, whose
+    integer division each step cost a few percent of the samples."""
+    m0 += BLOCK_M
+    wrap = m0 >= m_end
+    return gl.where(wrap, g + 1, g), gl.where(wrap, m_lo, m0)
+
+
+@gluon.jit
+def causal_mask_t(p_t, offs_n, offs_m, last_key_of_first_query):
+    """Pᵀ with the scores of keys after each query's last visible one zeroed (bottom-right aligned: key n is
+    visible from query m0 + j when n <= m0 + j + Sk - Sq)."""
+    return gl.where(offs_n[:, None] <= last_key_of_first_query + offs_m[None, :], p_t, 0.0)
+
+
+@gluon.jit
+def window_mask_t(p_t, offs_n, offs_m, first_key_of_first_query):
+    """Pᵀ with the scores of keys before each query's first visible one zeroed under a causal sliding window:
+    key n is visible from query m0 + j when n >= m0 + j + Sk - Sq - window_left."""
+    return gl.where(offs_n[:, None] >= first_key_of_first_query + offs_m[None, :], p_t, 0.0)
+
+
+@gluon.jit
+def dkdv_producer(args, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs,
+     k_smem, v_smem, ready, empty, kv_bar,
+     q_row, q_row_per_head, q_col, q_col_per_head, do_row, do_row_per_head, do_col, do_col_per_head,
+     k_row, k_col, v_row, v_col, lse_base, lse_per_head, m_lo, m_end, total) = args
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma_load(k_desc, [k_row, k_col], kv_bar, k_smem)
+    tma_load(v_desc, [v_row, v_col], kv_bar, v_smem)
+    step_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+    g = 0
+    m0 = m_lo
+    for i in range(total):
+        s = i % STAGES
+        # a fresh mbarrier counts as having completed the phase before 0, so the first lap does not wait
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        bar = ready.index(s)
+        mbarrier.expect(bar, step_bytes)
+        tma_load(q_desc, [q_row + g * q_row_per_head + m0, q_col + g * q_col_per_head], bar, q_bufs.index(s))
+        tma_load(do_desc, [do_row + g * do_row_per_head + m0, do_col + g * do_col_per_head], bar,
+                 do_bufs.index(s))
+        rows = lse_base + g * lse_per_head + m0
+        tma_load(lse_desc, [rows], bar, lse_bufs.index(s))
+        tma_load(delta_desc, [rows], bar, delta_bufs.index(s))
+        g, m0 = next_query_step(g, m0, m_lo, m_end, BLOCK_M)

@@ -66,9 +66,10 @@ from flashpatch.kernels.config import head_group
 from flashpatch.kernels.launch import cdiv, launch
 from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
-    TMA_REDUCE, alibi_bias, allocate_keep_ring, carry_addend, carry_shift_in_ptx, descriptor, drop_pairs,
-    dropout_seed_offset, fp32_descriptor, head_slope_log2, kept_dims, philox_wide, sm90_dense_ok, softcap_scores,
-    tma_load, tma_reduce_add, varlen_lse_start, varlen_pair, vector_descriptor)
+    TMA_REDUCE, alibi_bias, allocate_keep_ring, carry_addend, carry_shift_in_ptx, causal_mask_t, descriptor,
+    dkdv_producer, drop_pairs, dropout_seed_offset, fp32_descriptor, head_slope_log2, kept_dims, next_query_step,
+    philox_wide, sm90_dense_ok, softcap_scores, tma_reduce_add, varlen_lse_start, varlen_pair, vector_descriptor,
+    window_mask_t)
 from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_rows, head_and_block
 
 BLOCK_M = {64: 64, 128: 64}  # queries per step, by head dim
@@ -85,30 +86,6 @@ DRAWER_REGISTERS = 24
 
 
 LOG2E = gl.constexpr(1.4426950408889634)
-
-
-@gluon.jit
-def _next_step(g, m0, m_lo, m_end, BLOCK_M: gl.constexpr):
-    """The (head in the GQA group, first query row) after step (g, m0): the next query block of the head, or
-    the next head's first (m_lo). Carried through the loop instead of derived from the step count, whose
-    integer division each step cost a few percent of the samples."""
-    m0 += BLOCK_M
-    wrap = m0 >= m_end
-    return gl.where(wrap, g + 1, g), gl.where(wrap, m_lo, m0)
-
-
-@gluon.jit
-def _causal_mask(p_t, offs_n, offs_m, last_key_of_first_query):
-    """Pᵀ with the scores of keys after each query's last visible one zeroed (bottom-right aligned: key n is
-    visible from query m0 + j when n <= m0 + j + Sk - Sq)."""
-    return gl.where(offs_n[:, None] <= last_key_of_first_query + offs_m[None, :], p_t, 0.0)
-
-
-@gluon.jit
-def _window_mask(p_t, offs_n, offs_m, first_key_of_first_query):
-    """Pᵀ with the scores of keys before each query's first visible one zeroed under a causal sliding window:
-    key n is visible from query m0 + j when n >= m0 + j + Sk - Sq - window_left."""
-    return gl.where(offs_n[:, None] >= first_key_of_first_query + offs_m[None, :], p_t, 0.0)
 
 
 # Dropout. A consumer's step tile is (HALF_N, BLOCK_M) = (64 keys, 64 queries), and in the wgmma accumulator
@@ -175,7 +152,7 @@ def _visible_tile(like, limit):
     """The causal mask of the step's (HALF_N, BLOCK_M) tile in the layout of `like`: key j visible from query i
     when j - i <= limit (the step's m0 + shift - key0). Written in KEEP_TILE6's dimensions, j - i is one value
     per thread (its lane's and warp's bits) plus a constant per register, so the mask holds no index tile in
-    registers (with dropout, `_causal_mask`'s spilled)."""
+    registers (with dropout, `causal_mask_t`'s spilled)."""
     key_hi = gl.arange(0, 4, layout=KEEP_KEY_HI)[:, None, None, None, None, None]
     key_lo = gl.arange(0, 8, layout=KEEP_KEY_LO)[None, None, :, None, None, None]
     query_mid = gl.arange(0, 4, layout=KEEP_QUERY_MID)[None, None, None, None, :, None]
@@ -244,35 +221,7 @@ def _keep_drawer(args, WG: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.const
         keep_bufs.index(s).store(words.to(gl.int32, bitcast=True))
         gl.thread_barrier()  # every lane's word written before the consumer is told
         mbarrier.arrive(keep_full.index(s))
-        g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
-
-
-@gluon.jit
-def _producer(args, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs,
-     k_smem, v_smem, ready, empty, kv_bar,
-     q_row, q_row_per_head, q_col, q_col_per_head, do_row, do_row_per_head, do_col, do_col_per_head,
-     k_row, k_col, v_row, v_col, lse_base, lse_per_head, m_lo, m_end, total) = args
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma_load(k_desc, [k_row, k_col], kv_bar, k_smem)
-    tma_load(v_desc, [v_row, v_col], kv_bar, v_smem)
-    step_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                                + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-    g = 0
-    m0 = m_lo
-    for i in range(total):
-        s = i % STAGES
-        # a fresh mbarrier counts as having completed the phase before 0, so the first lap does not wait
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        bar = ready.index(s)
-        mbarrier.expect(bar, step_bytes)
-        tma_load(q_desc, [q_row + g * q_row_per_head + m0, q_col + g * q_col_per_head], bar, q_bufs.index(s))
-        tma_load(do_desc, [do_row + g * do_row_per_head + m0, do_col + g * do_col_per_head], bar,
-                 do_bufs.index(s))
-        rows = lse_base + g * lse_per_head + m0
-        tma_load(lse_desc, [rows], bar, lse_bufs.index(s))
-        tma_load(delta_desc, [rows], bar, delta_bufs.index(s))
-        g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
+        g, m0 = next_query_step(g, m0, m_lo, m_end, BLOCK_M)
 
 
 @gluon.jit
@@ -285,7 +234,7 @@ def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, rea
     the causal mask where the step crosses the diagonal (a branch per step), 3 the keys past seqlen_k hidden
     (KEY_TAIL: no causal mask, and seqlen_k not a multiple of BLOCK_N; every step takes it, since a branch on the
     program's key block between two loops made ptxas spill; a causal mask hides those keys by itself), 4 the causal
-    sliding window's edge alone (`_window_mask`). Under a WINDOW (causal, no dropout) masks 1 and 2 hide the keys
+    sliding window's edge alone (`window_mask_t`). Under a WINDOW (causal, no dropout) masks 1 and 2 hide the keys
     before each query's window too, 2 by a branch of its own per step. Queries past
     seqlen_q need no mask: their LSE is +inf (ops.attn_bwd_impl pads it), so their P is 0. FUSED_DQ: dQ's share of
     the step too (`_fused_dq`; dq_parts its buffers and barriers, else unused). DROPOUT: the step's keep word from
@@ -327,22 +276,22 @@ def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, rea
         scores_t += alibi_bias(alibi_log2, (m0 + shift) + offs_m[None, :], offs_n[:, None])
     p_t = gl.exp2(scores_t - lse_log2[None, :])
     if MASK == 1:
-        p_t = _causal_mask(p_t, offs_n, offs_m, m0 + shift)
+        p_t = causal_mask_t(p_t, offs_n, offs_m, m0 + shift)
         if WINDOW:
-            p_t = _window_mask(p_t, offs_n, offs_m, m0 + shift - window_left)
+            p_t = window_mask_t(p_t, offs_n, offs_m, m0 + shift - window_left)
     elif MASK == 2:  # only the steps that cross the diagonal hide any of the warpgroup's keys
         if key0 + HALF_N - 1 > m0 + shift:
             if DROPOUT:
                 p_t = gl.where(_visible_tile(zero_s, m0 + shift - key0), p_t, 0.0)
             else:
-                p_t = _causal_mask(p_t, offs_n, offs_m, m0 + shift)
+                p_t = causal_mask_t(p_t, offs_n, offs_m, m0 + shift)
         if WINDOW:  # and the steps whose last query's window starts after the warpgroup's first key
             if key0 < m0 + zero_s.shape[1] - 1 + shift - window_left:
-                p_t = _window_mask(p_t, offs_n, offs_m, m0 + shift - window_left)
+                p_t = window_mask_t(p_t, offs_n, offs_m, m0 + shift - window_left)
     elif MASK == 3:
         p_t = gl.where((offs_n < seqlen_k)[:, None], p_t, 0.0)
     elif MASK == 4:
-        p_t = _window_mask(p_t, offs_n, offs_m, m0 + shift - window_left)
+        p_t = window_mask_t(p_t, offs_n, offs_m, m0 + shift - window_left)
     if DROPOUT:
         dv = warpgroup_mma(gl.convert_layout(_drop(p_t.to(dtype), word), a_layout), do_s, dv, is_async=True)
     else:
@@ -385,7 +334,7 @@ def _steps(dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty
                        ALIBI_SLOPES, alibi_base, offs_m, offs_n, key0, shift, seqlen_k, qk_scale, cap_log2, zero_s,
                        a_layout, row_layout, MASK, HALF_N, STAGES, ALIBI, SOFTCAP, LSE_FIRST, dq_parts, WG, FUSED_DQ,
                        keep_parts, DROPOUT, window_left, WINDOW)
-        g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
+        g, m0 = next_query_step(g, m0, m_lo, m_end, BLOCK_M)
     return dk, dv
 
 
@@ -448,7 +397,7 @@ def _dq_reducer(args, BLOCK_M: gl.constexpr):
                            dq_s.slice(c * CHUNK, CHUNK, dim=1))
         tma.store_wait(CHUNKS)  # this step's reduces may run on; the step before's have read their slot
         mbarrier.arrive(dq_empty.index((i + 1) % 2), pred=i > 0)
-        g, m0 = _next_step(g, m0, m_lo, m_end, BLOCK_M)
+        g, m0 = next_query_step(g, m0, m_lo, m_end, BLOCK_M)
     tma.store_wait(0)  # every reduce has read its slot before the program's shared memory goes
 
 
@@ -664,7 +613,7 @@ def attn_bwd_dkdv_hopper_kernel(
                          HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
                          HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
-            (_producer, (producer_args, BLOCK_M, STAGES)),
+            (dkdv_producer, (producer_args, BLOCK_M, STAGES)),
             (_dq_reducer, (reducer_args, BLOCK_M)),
             (_keep_drawer, (drawer_args, 0, BLOCK_M, HALF_N)),
             (_keep_drawer, (drawer_args, 1, BLOCK_M, HALF_N)),
@@ -675,7 +624,7 @@ def attn_bwd_dkdv_hopper_kernel(
                          HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
                          HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
-            (_producer, (producer_args, BLOCK_M, STAGES)),
+            (dkdv_producer, (producer_args, BLOCK_M, STAGES)),
             (_dq_reducer, (reducer_args, BLOCK_M)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     elif DROPOUT:  # a drawer partition (two warps) per consumer, each with its consumer's keys
@@ -684,7 +633,7 @@ def attn_bwd_dkdv_hopper_kernel(
                          HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
                          HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
-            (_producer, (producer_args, BLOCK_M, STAGES)),
+            (dkdv_producer, (producer_args, BLOCK_M, STAGES)),
             (_keep_drawer, (drawer_args, 0, BLOCK_M, HALF_N)),
             (_keep_drawer, (drawer_args, 1, BLOCK_M, HALF_N)),
         ], [4, 1, 2, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
@@ -694,7 +643,7 @@ def attn_bwd_dkdv_hopper_kernel(
                          HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
                          HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
-            (_producer, (producer_args, BLOCK_M, STAGES)),
+            (dkdv_producer, (producer_args, BLOCK_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 

@@ -35,6 +35,9 @@ from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_ro
 HALF_M = 64  # queries per consumer warpgroup
 BLOCK_M = 2 * HALF_M  # queries per program
 BLOCK_N = 64  # keys per step
+# At head dim 256, 32 keys a step: two stages of (32, 256) K and V tiles beside the program's Q and dO (128 KB) fill
+# the shared memory (64 keys would take 256 KB), and a consumer's registers hold its (64, 256) fp32 dQ
+BLOCK_N_D256 = 32
 STAGES = 2  # K/V ring depth
 MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
 
@@ -371,7 +374,11 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
               max_seqlen_q: int, max_seqlen_k: int, window_left: int, window_right: int, softcap: float,
               dropout_p: float) -> bool:
     """common.sm90_dense_ok, with dropout on dense rows, any lengths, varlen batches without dropout, softcap (the
-    forward's bounds: fwd.supported)."""
+    forward's bounds: fwd.supported); at head dim 256 dense rows without dropout (beside dkdv256.py's dK/dV)."""
+    if q.shape[-1] == 256:
+        return sm90_dense_ok(q, k, v, dout, varlen=varlen, window_left=window_left, window_right=window_right,
+                             softcap=softcap, dropout_p=dropout_p, with_window=True, with_softcap=True,
+                             headdims=(256, ))
     return sm90_dense_ok(q, k, v, dout, varlen=varlen, window_left=window_left, window_right=window_right,
                          softcap=softcap, dropout_p=dropout_p, with_dropout=not varlen, with_varlen=True,
                          with_window=True, with_softcap=True)
@@ -407,17 +414,21 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
                          f"window_left={window_left}, causal={causal}, dropout_p={dropout_p}")
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    if headdim == 256 and (dropout_p > 0 or varlen is not None):
+        raise ValueError(f"the Gluon dQ at head dim 256 takes dense rows without dropout, got dropout_p={dropout_p}, "
+                         f"varlen={varlen is not None}")
+    block_n = BLOCK_N_D256 if headdim == 256 else BLOCK_N
     q_desc, q_rows, q_cols = descriptor(q, BLOCK_M)
     do_desc, do_rows, do_cols = descriptor(dout, BLOCK_M)
-    k_desc, k_rows, k_cols = descriptor(k, BLOCK_N)
-    v_desc, v_rows, v_cols = descriptor(v, BLOCK_N)
+    k_desc, k_rows, k_cols = descriptor(k, block_n)
+    v_desc, v_rows, v_cols = descriptor(v, block_n)
     num_tiles = batch * nheads * cdiv(seqlen_q, BLOCK_M)
     num_m = cdiv(seqlen_q, BLOCK_M)
     order = head_group(causal, num_m, q.device, options.head_group)
     persistent = options.persistent_dq
     if persistent is None:
         persistent = persistent_grid("dq", num_m, headdim, beside_dkdv)
-    persistent = persistent and not window
+    persistent = persistent and not window and headdim <= 128  # two (128, 256) query buffers would not fit
     if varlen is not None:  # the kernel reads each sequence's lengths from cu_seqlens
         grid, persistent, order, seqlen_q, seqlen_k = (nheads * blocks.shape[1],), False, 1, 0, 0
         num_tiles = grid[0]
@@ -432,7 +443,7 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
         q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,
         dq.stride(0), dq.stride(1), dq.stride(2), lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
         num_tiles, nheads, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, cap_log2, softmax_scale, dropout_p,
-        max(window_left, 0), CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
+        max(window_left, 0), CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=block_n, STAGES=STAGES,
         HEAD_GROUP=order, DROPOUT=dropout_p > 0, ALIBI=alibi_slopes is not None,
         SOFTCAP=cap_log2 > 0, PERSISTENT=persistent,
         VARLEN=varlen is not None, WINDOW=window,
