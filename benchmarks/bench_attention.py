@@ -119,8 +119,9 @@ def build_cases(quick: bool, seqlens: tuple[int, ...] | None = None) -> list[Cas
         for causal in (True, False):
             mask = "causal" if causal else "full"
             cases.append(Case(f"d64 {mask} dropout0.1 N=8192", 2, 32, 32, 8192, 64, causal, dropout=0.1))
-        # head dim 256 at the Gemma-2 shape: causal, and with its window and softcap
+        # head dim 256 at the Gemma-2 shape: causal, with softcap alone, and with its window and softcap
         cases.append(Case("d256 causal GQA 8/4 N=8192", 2, 8, 4, 8192, 256, True))
+        cases.append(Case("d256 causal softcap 50 GQA 8/4 N=8192", 2, 8, 4, 8192, 256, True, softcap=50.0))
         cases.append(Case("d256 window 4096 softcap 50 GQA 8/4 N=8192", 2, 8, 4, 8192, 256, True, window=4096,
                           softcap=50.0))
     lens = varlen_lengths()
@@ -428,7 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     parser.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
     parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated subset of " + ",".join(PEERS))
-    parser.add_argument("--match", default="", help="only the cases whose name contains this (e.g. dropout)")
+    parser.add_argument("--match", default="",
+                        help="only the cases whose name contains this, or one of its '|'-separated parts "
+                             "(e.g. dropout, or 'd256|softcap')")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_attention.py measures GPU kernels and needs a CUDA GPU; none is visible here. On CPU the "
@@ -446,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--seqlens takes comma-separated integers, got {args.seqlens!r}")
     if any(n < 1 or n > 16384 for n in seqlens):
         parser.error(f"--seqlens must lie in 1..16384 (B = 16384 // N rows, B·N about 16k tokens), got {args.seqlens!r}")
-    cases = [c for c in build_cases(args.quick, seqlens or None) if args.match in c.name]
+    cases = [c for c in build_cases(args.quick, seqlens or None) if any(m in c.name for m in args.match.split("|"))]
     if not cases:
         parser.error(f"no case name contains --match {args.match!r}")
     gpu = torch.cuda.get_device_name()

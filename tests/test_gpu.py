@@ -290,9 +290,10 @@ def _check_gluon_case(case, dtype, monkeypatch, make_slopes=None, **options):
     check_against_reference(out, grads, q, k, v, dout, **kwargs)
 
 
-# Head dim 256's Gluon backward (sm90/dkdv256.py: one consumer's Pᵀ and dV, the other's dSᵀ and dK; dq.py with
-# 32 keys a step): GQA, causal with Sq != Sk both ways (rows that see no key), lengths that divide no tile (1, 17,
-# 113, 1023; keys past seqlen_k come from the next head's rows, masked), (B, H, S, D) memory
+# Head dim 256's Gluon kernels (the forward at 64 keys a step; sm90/dkdv256.py: one consumer's Pᵀ and dV, the
+# other's dSᵀ and dK; dq.py at 32 keys a step): GQA, causal with Sq != Sk both ways (rows that see no key), lengths
+# that divide no tile (1, 17, 113, 1023; keys past seqlen_k come from the next head's rows, masked), (B, H, S, D)
+# memory
 GLUON_D256_CASES = [
     (1, 1024, 1024, 4, 2, 256, True, "bshd"),
     (2, 1023, 1023, 2, 2, 256, False, "bshd"),
@@ -305,16 +306,17 @@ GLUON_D256_CASES = [
 
 
 def _check_gluon_d256(case, dtype, monkeypatch, **kwargs):
-    """A GLUON_D256_CASES case with flash_attn_func's kwargs, asserting that the Gluon d256 dK/dV and dQ ran."""
+    """A GLUON_D256_CASES case with flash_attn_func's kwargs, asserting that the three Gluon kernels ran."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, order = case
-    calls = _record_launches(monkeypatch, ((sm90_dkdv256, "attn_bwd_dkdv256"), (sm90_dq, "attn_bwd_dq")))
+    calls = _record_launches(monkeypatch, ((sm90_fwd, "attn_fwd"), (sm90_dkdv256, "attn_bwd_dkdv256"),
+                                           (sm90_dq, "attn_bwd_dq")))
     q, k, v = _gluon_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, order, dtype)
     kwargs = dict(kwargs, causal=causal)
-    with kernel_options.override(gluon_dkdv=True, gluon_dq=True):
+    with kernel_options.override(gluon_fwd=True, gluon_dkdv=True, gluon_dq=True):
         out = flashpatch.flash_attn_func(q, k, v, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
-    assert sorted(calls) == ["attn_bwd_dkdv256", "attn_bwd_dq"], calls
+    assert sorted(calls) == ["attn_bwd_dkdv256", "attn_bwd_dq", "attn_fwd"], calls
     check_against_reference(out, grads, q, k, v, dout, **kwargs)
 
 

@@ -350,9 +350,10 @@ def test_gluon_kernels_only_on_sm90_cuda_tensors():
 
 
 def test_gluon_d256_scope(monkeypatch):
-    # Head dim 256 on sm_90 (stubbed here): sm90/dkdv256.py's dK/dV and the dQ pass take dense rows, causal,
-    # unmasked or a causal window, softcap; no dropout, no varlen batch; never CPU tensors, never another head dim
-    from flashpatch.kernels.sm90 import common as sm90_common, dkdv256, dq as sm90_dq
+    # Head dim 256 on sm_90 (stubbed here): the forward, sm90/dkdv256.py's dK/dV and the dQ pass take dense rows,
+    # causal, unmasked or a causal window, softcap; no dropout, no varlen batch; never CPU tensors, never another
+    # head dim
+    from flashpatch.kernels.sm90 import common as sm90_common, dkdv256, dq as sm90_dq, fwd as sm90_fwd
 
     q, k, v = random_qkv(1, 64, 64, 2, 1, 256, torch.float16, requires_grad=False)
     scope = dict(varlen=False, max_seqlen_q=64, max_seqlen_k=64, window_left=-1, window_right=0, softcap=0.0,
@@ -361,19 +362,20 @@ def test_gluon_d256_scope(monkeypatch):
     monkeypatch.setattr(sm90_common, "capability", lambda device: (9, 0))
     monkeypatch.setattr(sm90_common, "enabled", lambda: True)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
-    for kernel in (dkdv256, sm90_dq):
-        assert kernel.supported(q, k, v, q, **scope)
-        assert kernel.supported(q, k, v, q, **dict(scope, window_left=100, softcap=50.0))
-        assert kernel.supported(q, k, v, q, **dict(scope, window_right=-1))
-        assert not kernel.supported(q, k, v, q, **dict(scope, dropout_p=0.1))
-        assert not kernel.supported(q, k, v, q, **dict(scope, varlen=True))
-        assert not kernel.supported(q, k, v, q, **dict(scope, window_left=100, window_right=-1))
-        assert not kernel.supported(q.float(), k.float(), v.float(), q.float(), **scope)
+    for kernel in (sm90_fwd, dkdv256, sm90_dq):
+        tensors = (q, k, v) if kernel is sm90_fwd else (q, k, v, q)
+        assert kernel.supported(*tensors, **scope)
+        assert kernel.supported(*tensors, **dict(scope, window_left=100, softcap=50.0))
+        assert kernel.supported(*tensors, **dict(scope, window_right=-1))
+        assert not kernel.supported(*tensors, **dict(scope, dropout_p=0.1))
+        assert not kernel.supported(*tensors, **dict(scope, varlen=True))
+        assert not kernel.supported(*tensors, **dict(scope, window_left=100, window_right=-1))
+        assert not kernel.supported(*(t.float() for t in tensors), **scope)
     narrow = random_qkv(1, 64, 64, 2, 1, 128, torch.float16, requires_grad=False)
     assert not dkdv256.supported(*narrow, narrow[0], **scope)
     assert not dkdv256.fuses_dq(256)
     cfg = kernel_config.configs_for(256, True, masked=True)
-    assert cfg.gluon_dkdv and cfg.gluon_dq and not cfg.gluon_fwd
+    assert cfg.gluon_fwd and cfg.gluon_dkdv and cfg.gluon_dq
 
 
 def test_gluon_kernels_chosen_where_they_measured_faster():

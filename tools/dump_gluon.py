@@ -87,9 +87,9 @@ def main():
         maxnreg, consumer_regs, worker_regs = hf.dropout_registers()
         if not args.dropout:
             maxnreg, consumer_regs, worker_regs = (hf.MAXNREG if consumers == 2 else hf.MAXNREG_3), 0, 0
-        descs = {"q_desc": desc(hf.BLOCK_M if consumers == 2 else hf.HALF_M), "k_desc": desc(hf.BLOCK_N),
-                 "v_desc": desc(hf.BLOCK_N)}
-        consts = dict(CAUSAL=args.causal, HEADDIM=d, HALF_M=hf.HALF_M, BLOCK_N=hf.BLOCK_N,
+        bn = args.block_n or hf.BLOCK_N
+        descs = {"q_desc": desc(hf.BLOCK_M if consumers == 2 else hf.HALF_M), "k_desc": desc(bn), "v_desc": desc(bn)}
+        consts = dict(CAUSAL=args.causal, HEADDIM=d, HALF_M=hf.HALF_M, BLOCK_N=bn,
                       STAGES=args.stages or hf.STAGES, HEAD_GROUP=args.head_group, PERSISTENT=args.persistent,
                       CONSUMERS=consumers, DROPOUT=args.dropout, DRAWER_WARPS=hf.DRAWER_WARPS,
                       CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs)

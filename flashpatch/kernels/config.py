@@ -179,8 +179,8 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
     elif headdim == 256:
         # Head dim 256 (docs/tuning.md, "d256 tiles"): the tiles whose (rows, 256) fp32 accumulators fit the
         # registers, 64 rows a warpgroup; the dK/dV's dK and dV take 64 keys over two warpgroups. On sm_90 the
-        # Gluon dK/dV (sm90/dkdv256.py: one warpgroup's dV beside the other's dK) and dQ (32 keys a step) where
-        # they apply (dense rows, no dropout).
+        # Gluon forward (64 keys a step), dK/dV (sm90/dkdv256.py: one warpgroup's dV beside the other's dK) and dQ
+        # (32 keys a step) where they apply (dense rows, no dropout).
         cfg = KernelConfigs(
             fwd=LaunchConfig(128, 64, num_warps=8, num_stages=2, blocks_fastest=True),
             bwd_dkdv=LaunchConfig(16, 64, num_warps=8, num_stages=3, blocks_fastest=bwd_blocks_fastest),
@@ -188,6 +188,7 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
             atomic_dq=False,
             gluon_dkdv=True,
             gluon_dq=True,
+            gluon_fwd=True,
         )
     else:  # head dims 129-255, padded to 256: small tiles, not measured or GPU-tested with head dim 256's
         cfg = KernelConfigs(

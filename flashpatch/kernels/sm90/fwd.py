@@ -58,8 +58,11 @@ BLOCK_M = 2 * HALF_M  # queries per program with two consumer warpgroups
 # Consumer warpgroups per program (one program per query block; the persistent grid keeps two): FA3 runs head dim 64
 # with three, 192 queries per program, so that two warpgroups' matmuls cover the third's softmax, which at head dim
 # 64 costs as much as its matmuls (docs/tuning.md, "Gluon forward").
-CONSUMERS_BY_HEADDIM = {64: 3, 128: 2}
+CONSUMERS_BY_HEADDIM = {64: 3, 128: 2, 256: 2}
 BLOCK_N = 128  # keys per step
+# At head dim 256, 64 keys a step: a consumer's (64, 256) fp32 output takes 128 of its registers, and two stages of
+# (64, 256) K and V tiles beside the program's (128, 256) Q fill 192 KB of shared memory
+BLOCK_N_D256 = 64
 STAGES = 2  # K/V ring depth
 MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
 MAXNREG_3 = 128  # three consumers: 13 warps, launched as 16 (a multiple of 4): 16 x 32 x 128 = 64K
@@ -616,9 +619,18 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool
     """Whether this kernel covers the call: common.sm90_dense_ok, with dropout on dense rows, and
     varlen batches without dropout (`attn_fwd_varlen`). Any lengths: a last query block past seqlen_q computes rows
     that are never stored, and a last key block past seqlen_k is masked (common.key_limit)."""
+    if q.shape[-1] == 256:  # dense rows without dropout (the drawers' words are laid out for 128 keys a step)
+        return sm90_dense_ok(q, k, v, varlen=varlen, window_left=window_left, window_right=window_right,
+                             softcap=softcap, dropout_p=dropout_p, with_window=True, with_softcap=True,
+                             headdims=(256, ))
     return sm90_dense_ok(q, k, v, varlen=varlen, window_left=window_left, window_right=window_right, softcap=softcap,
                          dropout_p=dropout_p, with_dropout=not varlen, with_varlen=True,
                          with_window=True, with_softcap=True)
+
+
+def block_n(headdim: int) -> int:
+    """Keys per step at `headdim`."""
+    return BLOCK_N_D256 if headdim == 256 else BLOCK_N
 
 
 def varlen_block_rows(headdim: int) -> int:
@@ -682,7 +694,10 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     if window and (dropout or not causal):
         raise ValueError(f"the Gluon forward runs a sliding window only causal and without dropout, got "
                          f"window_left={window_left}, causal={causal}, dropout_p={dropout_p}")
-    if dropout or window:
+    if headdim == 256 and dropout:
+        raise ValueError(f"the Gluon forward at head dim 256 draws no dropout, got dropout_p={dropout_p}")
+    keys = block_n(headdim)
+    if dropout or window or headdim == 256:  # two (128, 256) Q buffers would not fit beside the ring
         persistent = False
     elif options.persistent_fwd is None:
         persistent = persistent_grid("fwd", cdiv(seqlen_q, BLOCK_M), headdim)
@@ -691,8 +706,8 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     consumers = 2 if persistent or dropout else CONSUMERS_BY_HEADDIM[headdim]  # the drawers serve two
     block_m = consumers * HALF_M  # three consumers: the last block may run past seqlen_q (masked stores)
     q_desc, q_rows, q_cols = descriptor(q, BLOCK_M if consumers == 2 else HALF_M)  # the kernel's Q_TILES
-    k_desc, k_rows, k_cols = descriptor(k, BLOCK_N)
-    v_desc, v_rows, v_cols = descriptor(v, BLOCK_N)
+    k_desc, k_rows, k_cols = descriptor(k, keys)
+    v_desc, v_rows, v_cols = descriptor(v, keys)
     num_m = cdiv(seqlen_q, block_m)
     num_tiles = batch * nheads * num_m
     order = head_group(causal, num_m, q.device, options.head_group)
@@ -703,7 +718,7 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
         # first, which persistent_tile's alternating rounds balance
         grid = (min(num_tiles, sm_count(q.device)),)
         if causal and options.causal_schedule:
-            schedule, schedule_rounds = causal_schedule_tensor(batch * nheads, seqlen_q, seqlen_k, block_m, BLOCK_N,
+            schedule, schedule_rounds = causal_schedule_tensor(batch * nheads, seqlen_q, seqlen_k, block_m, keys,
                                                                order, grid[0], q.device)
         if causal and schedule is None:
             order = 0
@@ -718,7 +733,7 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
         None, None, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes), num_tiles, nheads, nheads // nheads_k,
         seqlen_q, seqlen_k, qk_scale, cap_log2, dropout_p, schedule_rounds, max(window_left, 0),
-        CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
+        CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=keys, STAGES=STAGES,
         HEAD_GROUP=order, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
         FOLD=fold, SOFTCAP=cap_log2 > 0, CONSUMERS=consumers, DROPOUT=dropout,
         DRAWER_WARPS=DRAWER_WARPS, CONSUMER_REGS=consumer_regs,
