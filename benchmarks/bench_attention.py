@@ -130,6 +130,8 @@ def build_cases(quick: bool, seqlens: tuple[int, ...] | None = None) -> list[Cas
         cases.append(Case(f"d128 varlen GQA 16/8 {len(lens)} docs 64..4096", len(lens), 16, 8, max(lens), 128, True,
                           0.0, lens))
         cases.append(Case(f"d64 varlen {len(lens)} docs 64..4096", len(lens), 16, 16, max(lens), 64, True, 0.0, lens))
+        cases.append(Case(f"d256 varlen GQA 8/4 {len(lens)} docs 64..4096", len(lens), 8, 4, max(lens), 256, True, 0.0,
+                          lens))
         # a padded batch with attention dropout, as the transformers integration hands it over unpadded (GPT-2 style
         # d64 heads): varlen with dropout runs the portable kernels
         cases.append(Case(f"d64 varlen dropout0.1 {len(lens)} docs 64..4096", len(lens), 16, 16, max(lens), 64, True,

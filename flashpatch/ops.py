@@ -588,7 +588,8 @@ def attn_bwd_impl(
                                                     batch, max_seqlen_k, heaviest_first=False, opts=opts)
     elif varlen:  # the Gluon dK/dV's (sequence, key block) pairs, a sequence's first key block first
         gluon_varlen = (cu_seqlens_q, cu_seqlens_k,
-                        varlen_blocks(cu_seqlens_k, k.shape[0], sm90_dkdv.BLOCK_N, heaviest_first=False,
+                        varlen_blocks(cu_seqlens_k, k.shape[0],
+                                      (sm90_dkdv256 if headdim == 256 else sm90_dkdv).BLOCK_N, heaviest_first=False,
                                       longest_first=opts.varlen_longest_first))
     else:
         gluon_varlen = None
@@ -598,7 +599,7 @@ def attn_bwd_impl(
         if dkdv_on_gluon and headdim == 256:
             sm90_dkdv256.attn_bwd_dkdv256(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal,
                                           alibi_slopes, options=opts, stream=stream, site=site,
-                                          window_left=window_left, cap_log2=cap_log2)
+                                          window_left=window_left, cap_log2=cap_log2, varlen=gluon_varlen)
         elif dkdv_on_gluon:
             sm90_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale, softmax_scale, causal,
                                       alibi_slopes, dq_accum=dq_accum if atomic_dq else None,

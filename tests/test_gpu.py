@@ -641,6 +641,39 @@ def test_gluon_varlen_matches_float64(case, dtype, dq_form, monkeypatch):
                             **kwargs)
 
 
+@needs_gluon
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", [
+    dict(lengths_q=[1, 17, 113, 1023, 0, 300], causal=True, heads=(4, 2)),
+    dict(lengths_q=[1, 17, 113, 1023, 0, 300], causal=False, heads=(4, 4), alibi=True),
+    # Sq != Sk per sequence, bottom-right causal: the 40 first queries of the last sequence see no key
+    dict(lengths_q=[17, 300, 105, 2000], lengths_k=[113, 200, 64, 1999], causal=True, heads=(4, 1)),
+    dict(lengths_q=[700, 3, 1500, 129], causal=True, heads=(8, 4), softcap=50.0, window_size=(255, 0)),
+], ids=lambda c: (f"{len(c['lengths_q'])}seqs-{'causal' if c['causal'] else 'full'}-h{c['heads'][0]}:{c['heads'][1]}"
+                  + ("-sq_ne_sk" if "lengths_k" in c else "") + ("-alibi" if c.get("alibi") else "")
+                  + ("-softcap-window" if c.get("softcap") else "")))
+def test_gluon_d256_varlen_matches_float64(case, dtype, monkeypatch):
+    # Head dim 256's Gluon kernels on a varlen batch (the forward, sm90/dkdv256.py's dK/dV, the dQ pass), each a
+    # program per (sequence, block) pair and head, with the packed rows as the TMA views' rows
+    launches = _record_launches(monkeypatch, [(sm90_fwd, "attn_fwd_varlen"), (sm90_dkdv256, "attn_bwd_dkdv256"),
+                                              (sm90_dq, "attn_bwd_dq")], "varlen")
+    lengths_q = case["lengths_q"]
+    lengths_k = case.get("lengths_k", lengths_q)
+    nheads, nheads_k = case["heads"]
+    q, k, v, cu_q, cu_k = _varlen_qkv(lengths_q, lengths_k, nheads, nheads_k, 256, dtype)
+    kwargs = {name: case[name] for name in ("causal", "softcap", "window_size") if name in case}
+    if case.get("alibi"):
+        kwargs["alibi_slopes"] = _geometric_slopes(len(lengths_q), nheads)
+    with kernel_options.override(gluon_fwd=True, gluon_dkdv=True, gluon_dq=True):
+        out = flashpatch.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), **kwargs)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    calls = [(name, varlen is not None or name == "attn_fwd_varlen") for name, varlen in launches]
+    assert sorted(calls) == [("attn_bwd_dkdv256", True), ("attn_bwd_dq", True), ("attn_fwd_varlen", True)], calls
+    check_against_reference(out, grads, q, k, v, dout, reference=varlen_attention_reference, ref_args=(cu_q, cu_k),
+                            **kwargs)
+
+
 # Causal sliding windows on the Gluon kernels: (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, window_left)
 GLUON_WINDOW_CASES = [
     (2, 1000, 1000, 8, 2, 128, 256),  # two key blocks wide; lengths that divide no tile

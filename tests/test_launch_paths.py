@@ -350,8 +350,8 @@ def test_gluon_kernels_only_on_sm90_cuda_tensors():
 
 
 def test_gluon_d256_scope(monkeypatch):
-    # Head dim 256 on sm_90 (stubbed here): the forward, sm90/dkdv256.py's dK/dV and the dQ pass take dense rows,
-    # causal, unmasked or a causal window, softcap; no dropout, no varlen batch; never CPU tensors, never another
+    # Head dim 256 on sm_90 (stubbed here): the forward, sm90/dkdv256.py's dK/dV and the dQ pass take dense rows
+    # and varlen batches, causal, unmasked or a causal window, softcap; no dropout; never CPU tensors, never another
     # head dim
     from flashpatch.kernels.sm90 import common as sm90_common, dkdv256, dq as sm90_dq, fwd as sm90_fwd
 
@@ -368,7 +368,7 @@ def test_gluon_d256_scope(monkeypatch):
         assert kernel.supported(*tensors, **dict(scope, window_left=100, softcap=50.0))
         assert kernel.supported(*tensors, **dict(scope, window_right=-1))
         assert not kernel.supported(*tensors, **dict(scope, dropout_p=0.1))
-        assert not kernel.supported(*tensors, **dict(scope, varlen=True))
+        assert kernel.supported(*(t[0] for t in tensors), **dict(scope, varlen=True))  # (T, H, D)
         assert not kernel.supported(*tensors, **dict(scope, window_left=100, window_right=-1))
         assert not kernel.supported(*(t.float() for t in tensors), **scope)
     narrow = random_qkv(1, 64, 64, 2, 1, 128, torch.float16, requires_grad=False)

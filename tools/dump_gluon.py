@@ -74,7 +74,8 @@ def main():
                  "v_desc": desc(hk256.BLOCK_N), "lse_desc": vec, "delta_desc": vec}
         consts = dict(CAUSAL=args.causal, HEADDIM=d, BLOCK_M=bm, BLOCK_N=hk256.BLOCK_N,
                       STAGES=args.stages or hk256.STAGES, HEAD_GROUP=args.head_group,
-                      CONSUMER_REGS=hk256.CONSUMER_REGS, PRODUCER_REGS=hk256.PRODUCER_REGS, KEY_TAIL=args.key_tail)
+                      CONSUMER_REGS=hk256.CONSUMER_REGS, PRODUCER_REGS=hk256.PRODUCER_REGS,
+                      KEY_TAIL=args.key_tail or args.varlen)
     elif args.kernel == "dq":
         fn, maxnreg = hq.attn_bwd_dq_hopper_kernel, hq.MAXNREG
         bn = args.block_n or hq.BLOCK_N

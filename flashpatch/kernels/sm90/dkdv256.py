@@ -13,9 +13,10 @@ and per step of 64 queries:
 
 Each consumer issues two of the step's four matmuls, so the tensor core has work from one while the other runs
 its softmax or dS; they meet once a step, at the shared Pᵀ. dQ is the separate pass (dq.py, 32 keys a step).
-Scope (`supported`): dense rows of any lengths, bf16/fp16, causal (bottom-right aligned) or no mask, a causal
-sliding window, softcap, ALiBi slopes, GQA; no dropout, no varlen batches. Queries past seqlen_q get P = 0 from
-their padded LSE (ops.attn_bwd_impl), keys past seqlen_k are masked and not stored, as in dkdv.py.
+Scope (`supported`): dense rows of any lengths and varlen batches (a program per (sequence, key block) pair, as in
+dkdv.py), bf16/fp16, causal (bottom-right aligned) or no mask, a causal sliding window, softcap, ALiBi slopes, GQA;
+no dropout. Queries past seqlen_q get P = 0 from their padded LSE (ops.attn_bwd_impl), keys past seqlen_k are
+masked and not stored, as in dkdv.py.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from flashpatch.kernels.launch import cdiv, launch
 from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     alibi_bias, causal_mask_t, descriptor, dkdv_producer, head_slope_log2, next_query_step, sm90_dense_ok,
-    softcap_scores, vector_descriptor, window_mask_t)
+    softcap_scores, varlen_lse_start, varlen_pair, vector_descriptor, window_mask_t)
 from flashpatch.kernels.triton.common import alibi_batch_stride, head_and_block
 
 HEADDIM = 256
@@ -152,20 +153,40 @@ def _gradient_consumer(args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEADD
 @gluon.jit
 def attn_bwd_dkdv256_kernel(
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, DK, DV, ALIBI_SLOPES,
+    CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS,  # varlen: (batch + 1,) int32 each, ops.varlen_blocks's (2, n)
     q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,  # see common.rows_view
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lse_b, stride_lse_h,
     stride_alibi_b, nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2, softmax_scale, window_left,
     CAUSAL: gl.constexpr, KEY_TAIL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr,
-    SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
 ):
     gl.static_assert(not WINDOW or CAUSAL, "a sliding window runs causal")
-    num_n = gl.cdiv(seqlen_k, BLOCK_N)
-    # Triton's 1-D grid order (triton/common.py); causal: the first key blocks see the most queries
-    off_bhk, pid_n = head_and_block(num_n, True, HEAD_GROUP)
-    off_b = off_bhk // nheads_k
-    off_hk = off_bhk % nheads_k
-    n0 = pid_n * BLOCK_N
+    if VARLEN:  # a (sequence, key block) pair of VARLEN_BLOCKS per program, a K/V head's pairs side by side
+        gl.static_assert(KEY_TAIL, "a varlen sequence's last key block is masked")
+        off_b, off_hk, block, q_first, k_first, seqlen_q, seqlen_k = varlen_pair(
+            VARLEN_BLOCKS, CU_SEQLENS_Q, CU_SEQLENS_K, nheads_k)  # off_b: the sequence
+        n0 = block * BLOCK_N
+        do_first = q_first
+        v_first = k_first
+        lse_first_row = varlen_lse_start(q_first, off_b)
+        dk_first = k_first * stride_dks
+        dv_first = k_first * stride_dvs
+    else:
+        num_n = gl.cdiv(seqlen_k, BLOCK_N)
+        # Triton's 1-D grid order (triton/common.py); causal: the first key blocks see the most queries
+        off_bhk, pid_n = head_and_block(num_n, True, HEAD_GROUP)
+        off_b = off_bhk // nheads_k
+        off_hk = off_bhk % nheads_k
+        n0 = pid_n * BLOCK_N
+        q_first = off_b * q_rows[0]
+        do_first = off_b * do_rows[0]
+        k_first = off_b * k_rows[0]
+        v_first = off_b * v_rows[0]
+        lse_first_row = off_b * stride_lse_b
+        dk_first = off_b * stride_dkb
+        dv_first = off_b * stride_dvb
     off_h0 = off_hk * group_size
     shift = seqlen_k - seqlen_q
     m_lo = 0
@@ -175,6 +196,8 @@ def attn_bwd_dkdv256_kernel(
     if WINDOW:  # query m sees key n while n >= m + Sk - Sq - window_left
         m_stop = gl.minimum(n0 + BLOCK_N - shift + window_left, seqlen_q)
     n_mblocks = gl.cdiv(gl.maximum(m_stop - m_lo, 0), BLOCK_M)
+    if VARLEN:  # a pair past the last key block (ops.varlen_blocks) has no steps, and stores nothing
+        n_mblocks = gl.where(n0 < seqlen_k, n_mblocks, 0)
     m_end = m_lo + n_mblocks * BLOCK_M
     total = group_size * n_mblocks
 
@@ -199,19 +222,17 @@ def attn_bwd_dkdv256_kernel(
     mbarrier.init(p_full, count=1)
     mbarrier.init(p_empty, count=1)
 
-    lse_base = off_b * stride_lse_b + off_h0 * stride_lse_h
-    q_first = off_b * q_rows[0]
-    do_first = off_b * do_rows[0]
+    lse_base = lse_first_row + off_h0 * stride_lse_h
     consumer_args = (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar, p_smem, p_full,
-                     p_empty, DK, DV, off_b * stride_dkb + off_hk * stride_dkh, stride_dks,
-                     off_b * stride_dvb + off_hk * stride_dvh, stride_dvs, off_b * stride_alibi_b + off_h0, n0,
-                     shift, seqlen_k, m_lo, m_end, total, qk_scale, cap_log2, softmax_scale, window_left)
+                     p_empty, DK, DV, dk_first + off_hk * stride_dkh, stride_dks, dv_first + off_hk * stride_dvh,
+                     stride_dvs, off_b * stride_alibi_b + off_h0, n0, shift, seqlen_k, m_lo, m_end, total, qk_scale,
+                     cap_log2, softmax_scale, window_left)
     producer_args = (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
                      delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
                      q_first + off_h0 * q_rows[1], q_rows[1], off_h0 * q_cols, q_cols,
                      do_first + off_h0 * do_rows[1], do_rows[1], off_h0 * do_cols, do_cols,
-                     off_b * k_rows[0] + off_hk * k_rows[1] + n0, off_hk * k_cols,
-                     off_b * v_rows[0] + off_hk * v_rows[1] + n0, off_hk * v_cols, lse_base, stride_lse_h,
+                     k_first + off_hk * k_rows[1] + n0, off_hk * k_cols,
+                     v_first + off_hk * v_rows[1] + n0, off_hk * v_cols, lse_base, stride_lse_h,
                      m_lo, m_end, total)
     gl.warp_specialize([
         (_scores_consumer, (consumer_args, ALIBI_SLOPES, CAUSAL, KEY_TAIL, BLOCK_M, BLOCK_N, HEADDIM, STAGES, ALIBI,
@@ -224,11 +245,11 @@ def attn_bwd_dkdv256_kernel(
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, varlen: bool,
               max_seqlen_q: int, max_seqlen_k: int, window_left: int, window_right: int, softcap: float,
               dropout_p: float) -> bool:
-    """Whether this kernel takes the call (common.sm90_dense_ok at head dim 256): dense rows of any lengths,
-    causal or no mask or a causal sliding window, softcap; no dropout, no varlen batch."""
+    """Whether this kernel takes the call (common.sm90_dense_ok at head dim 256): dense rows of any lengths or
+    varlen batches, causal or no mask or a causal sliding window, softcap; no dropout."""
     return sm90_dense_ok(q, k, v, dout, varlen=varlen, window_left=window_left, window_right=window_right,
-                         softcap=softcap, dropout_p=dropout_p, with_window=True, with_softcap=True,
-                         headdims=(HEADDIM, ))
+                         softcap=softcap, dropout_p=dropout_p, with_varlen=True, with_window=True,
+                         with_softcap=True, headdims=(HEADDIM, ))
 
 
 def fuses_dq(headdim: int, dropout: bool = False) -> bool:
@@ -238,13 +259,24 @@ def fuses_dq(headdim: int, dropout: bool = False) -> bool:
 
 def attn_bwd_dkdv256(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_scale: float, causal: bool,
                      alibi_slopes=None, options: KernelOptions = DEFAULT, stream: int | None = None, site=None,
-                     window_left: int = -1, cap_log2: float = 0.0) -> None:
+                     window_left: int = -1, cap_log2: float = 0.0, varlen=None) -> None:
     """dK, dV (written into dk, dv) for a call `supported` accepted, as dkdv.attn_bwd_dkdv without its dQ, dropout
     and varlen forms. q, dout: (B, Sq, H, 256); k, v, dk, dv: (B, Sk, Hk, 256); lse, delta: (B, H, >= Sq rounded up
     to BLOCK_M) fp32, LSE (natural log) +inf and delta 0 past Sq; qk_scale: softmax_scale * log2(e), or
     softmax_scale / softcap with cap_log2 = softcap * log2(e) > 0 (ops._scales); alibi_slopes: None or float32 (H,)
     / (B, H); window_left >= 0: a causal sliding window. stream: a raw CUDA stream handle (None: the current one);
-    site: launch.launch's."""
+    site: launch.launch's.
+
+    varlen: None for dense rows, or (cu_seqlens_q, cu_seqlens_k, blocks) for a varlen batch, as
+    dkdv.attn_bwd_dkdv's: q, dout (total_q, H, 256), k, v, dk, dv (total_k, Hk, 256), lse and delta (H, total_q +
+    ALIGN x batch) padded per sequence, blocks ops.varlen_blocks's (2, n) (sequence, key block) pairs in blocks of
+    BLOCK_N keys."""
+    if varlen is not None:
+        cu_seqlens_q, cu_seqlens_k, blocks = varlen
+        q, k, v, dout, dk, dv = (t.unsqueeze(0) for t in (q, k, v, dout, dk, dv))  # (1, total, H, D)
+        lse, delta = lse.unsqueeze(0), delta.unsqueeze(0)
+    else:
+        cu_seqlens_q = cu_seqlens_k = blocks = None
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     if headdim != HEADDIM:
@@ -259,14 +291,18 @@ def attn_bwd_dkdv256(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax
     assert delta.stride() == lse.stride() and lse.stride(-1) == 1, (lse.stride(), delta.stride())
     lse_desc, delta_desc = vector_descriptor(lse, BLOCK_M), vector_descriptor(delta, BLOCK_M)
     num_n = cdiv(seqlen_k, BLOCK_N)
+    grid = (batch * nheads_k * num_n,)
+    if varlen is not None:  # the kernel reads each sequence's lengths from cu_seqlens
+        grid, seqlen_q, seqlen_k = (nheads_k * blocks.shape[1],), 0, 0
     launch(
-        attn_bwd_dkdv256_kernel, (batch * nheads_k * num_n,), q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
-        dk, dv, alibi_slopes, q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,
+        attn_bwd_dkdv256_kernel, grid, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk, dv, alibi_slopes,
+        cu_seqlens_q, cu_seqlens_k, blocks, q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
         nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, cap_log2, softmax_scale, max(window_left, 0),
-        CAUSAL=causal, KEY_TAIL=seqlen_k % BLOCK_N != 0, HEADDIM=HEADDIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        STAGES=STAGES, HEAD_GROUP=head_group(causal, num_n, q.device, options.head_group),
-        ALIBI=alibi_slopes is not None, SOFTCAP=cap_log2 > 0, WINDOW=window_left >= 0, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        CAUSAL=causal, KEY_TAIL=varlen is not None or seqlen_k % BLOCK_N != 0, HEADDIM=HEADDIM, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, STAGES=STAGES, HEAD_GROUP=head_group(causal, num_n, q.device, options.head_group),
+        ALIBI=alibi_slopes is not None, SOFTCAP=cap_log2 > 0, WINDOW=window_left >= 0, VARLEN=varlen is not None,
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=4, maxnreg=MAXNREG, cached_launch=options.cached_launch, on_stream=stream, site=site,
     )

@@ -374,11 +374,11 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
               max_seqlen_q: int, max_seqlen_k: int, window_left: int, window_right: int, softcap: float,
               dropout_p: float) -> bool:
     """common.sm90_dense_ok, with dropout on dense rows, any lengths, varlen batches without dropout, softcap (the
-    forward's bounds: fwd.supported); at head dim 256 dense rows without dropout (beside dkdv256.py's dK/dV)."""
+    forward's bounds: fwd.supported); at head dim 256 no dropout (beside dkdv256.py's dK/dV)."""
     if q.shape[-1] == 256:
         return sm90_dense_ok(q, k, v, dout, varlen=varlen, window_left=window_left, window_right=window_right,
-                             softcap=softcap, dropout_p=dropout_p, with_window=True, with_softcap=True,
-                             headdims=(256, ))
+                             softcap=softcap, dropout_p=dropout_p, with_varlen=True, with_window=True,
+                             with_softcap=True, headdims=(256, ))
     return sm90_dense_ok(q, k, v, dout, varlen=varlen, window_left=window_left, window_right=window_right,
                          softcap=softcap, dropout_p=dropout_p, with_dropout=not varlen, with_varlen=True,
                          with_window=True, with_softcap=True)
@@ -414,9 +414,8 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
                          f"window_left={window_left}, causal={causal}, dropout_p={dropout_p}")
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    if headdim == 256 and (dropout_p > 0 or varlen is not None):
-        raise ValueError(f"the Gluon dQ at head dim 256 takes dense rows without dropout, got dropout_p={dropout_p}, "
-                         f"varlen={varlen is not None}")
+    if headdim == 256 and dropout_p > 0:
+        raise ValueError(f"the Gluon dQ at head dim 256 draws no dropout, got dropout_p={dropout_p}")
     block_n = BLOCK_N_D256 if headdim == 256 else BLOCK_N
     q_desc, q_rows, q_cols = descriptor(q, BLOCK_M)
     do_desc, do_rows, do_cols = descriptor(dout, BLOCK_M)

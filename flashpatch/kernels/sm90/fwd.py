@@ -619,10 +619,10 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, varlen: bool
     """Whether this kernel covers the call: common.sm90_dense_ok, with dropout on dense rows, and
     varlen batches without dropout (`attn_fwd_varlen`). Any lengths: a last query block past seqlen_q computes rows
     that are never stored, and a last key block past seqlen_k is masked (common.key_limit)."""
-    if q.shape[-1] == 256:  # dense rows without dropout (the drawers' words are laid out for 128 keys a step)
+    if q.shape[-1] == 256:  # no dropout (the drawers' words are laid out for 128 keys a step)
         return sm90_dense_ok(q, k, v, varlen=varlen, window_left=window_left, window_right=window_right,
-                             softcap=softcap, dropout_p=dropout_p, with_window=True, with_softcap=True,
-                             headdims=(256, ))
+                             softcap=softcap, dropout_p=dropout_p, with_varlen=True, with_window=True,
+                             with_softcap=True, headdims=(256, ))
     return sm90_dense_ok(q, k, v, varlen=varlen, window_left=window_left, window_right=window_right, softcap=softcap,
                          dropout_p=dropout_p, with_dropout=not varlen, with_varlen=True,
                          with_window=True, with_softcap=True)
@@ -655,15 +655,16 @@ def attn_fwd_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, blocks, max_s
     nheads_k = k.shape[1]
     consumers = CONSUMERS_BY_HEADDIM[headdim]
     q_desc, q_rows, q_cols = descriptor(q.unsqueeze(0), BLOCK_M if consumers == 2 else HALF_M)  # (1, T, H, D)
-    k_desc, k_rows, k_cols = descriptor(k.unsqueeze(0), BLOCK_N)
-    v_desc, v_rows, v_cols = descriptor(v.unsqueeze(0), BLOCK_N)
+    keys = block_n(headdim)
+    k_desc, k_rows, k_cols = descriptor(k.unsqueeze(0), keys)
+    v_desc, v_rows, v_cols = descriptor(v.unsqueeze(0), keys)
     grid = (nheads * blocks.shape[1],)
     launch(
         attn_fwd_hopper_kernel, grid, q_desc, k_desc, v_desc, out, lse, alibi_slopes, None, None, cu_seqlens_q,
         cu_seqlens_k, blocks, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, 0, out.stride(0), out.stride(1), 0,
         lse.stride(0), alibi_batch_stride(alibi_slopes), grid[0], nheads, nheads // nheads_k, 0, max_seqlen_k,
         qk_scale, cap_log2, 0.0, 0, max(window_left, 0),
-        CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=BLOCK_N, STAGES=STAGES, HEAD_GROUP=1,
+        CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=keys, STAGES=STAGES, HEAD_GROUP=1,
         ALIBI=alibi_slopes is not None, PERSISTENT=False, FOLD=fold, SOFTCAP=cap_log2 > 0,
         CONSUMERS=consumers, DROPOUT=False,
         DRAWER_WARPS=DRAWER_WARPS, CONSUMER_REGS=0, WORKER_REGS=0, VARLEN=True, WINDOW=window_left >= 0, num_warps=4,
