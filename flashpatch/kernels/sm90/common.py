@@ -15,7 +15,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashpatch.kernels.config import ALIGN
 from flashpatch.kernels.sm90 import capability, enabled
-from flashpatch.kernels.triton.common import PHILOX_ROUNDS, dropout_threshold, tile_head_and_block
+from flashpatch.kernels.triton.common import PHILOX_ROUNDS, dropout_threshold, head_and_block, tile_head_and_block
 
 LSE_ALIGN = gl.constexpr(ALIGN)  # the varlen backward's LSE rows start at multiples of this (`varlen_lse_start`)
 
@@ -64,8 +64,8 @@ def sm90_dense_ok(*tensors: torch.Tensor, varlen: bool, window_left: int, window
     `rows_view` maps (varlen (T, H, D) ones where the kernel takes them: `with_varlen`), bf16 or fp16, one of the
     kernel's `headdims`, causal or unmasked (or a causal sliding window without dropout: `with_window`), no softcap
     unless the kernel caps the scores (`with_softcap`), no dropout unless the kernel draws it (`with_dropout`), 32-bit
-    element offsets. Any lengths: the kernels mask a last tile that runs past a sequence (`key_limit`, the backward's padded
-    LSE)."""
+    element offsets. Any lengths: the kernels mask a last tile that runs past a sequence (`key_limit`, the
+    backward's padded LSE)."""
     q = tensors[0]
     if not (enabled() and q.is_cuda and capability(q.device) == (9, 0)):
         return False
@@ -576,3 +576,76 @@ def dkdv_producer(args, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
         tma_load(lse_desc, [rows], bar, lse_bufs.index(s))
         tma_load(delta_desc, [rows], bar, delta_bufs.index(s))
         g, m0 = next_query_step(g, m0, m_lo, m_end, BLOCK_M)
+
+
+@gluon.jit
+def key_block_program(VARLEN_BLOCKS, CU_SEQLENS_Q, CU_SEQLENS_K, q_rows, do_rows, k_rows, v_rows, dq_rows,
+                      stride_dkb, stride_dks, stride_dvb, stride_dvs, stride_lse_b, nheads_k, group_size, seqlen_q,
+                      seqlen_k, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
+                      HEAD_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A dK/dV program's key block and the query blocks it visits (dkdv.py's and dkdv256.py's): (sequence or batch
+    row, K/V head, its group's first query head, first key, Sk - Sq, query length, key length, first query row
+    visited, the end of its query rows, steps over the GQA group, then the first rows of its batch row or sequence
+    in the Q, dO, K, V and dQ views, of its LSE rows, and of its dK and dV rows). On a varlen grid (VARLEN) a
+    (sequence, key block) pair of VARLEN_BLOCKS per program, a K/V head's pairs side by side, and a pair past the
+    last key block gets no steps; else Triton's 1-D grid order (triton/common.py), under a causal mask the first
+    key blocks (which the most queries see) first. Under a causal WINDOW the query rows end where the block's last
+    key leaves their windows."""
+    if VARLEN:
+        off_b, off_hk, block, q_first, k_first, seqlen_q, seqlen_k = varlen_pair(
+            VARLEN_BLOCKS, CU_SEQLENS_Q, CU_SEQLENS_K, nheads_k)  # off_b: the sequence
+        n0 = block * BLOCK_N
+        do_first = q_first
+        v_first = k_first
+        dq_first = q_first
+        lse_first_row = varlen_lse_start(q_first, off_b)
+        dk_first = k_first * stride_dks
+        dv_first = k_first * stride_dvs
+    else:
+        num_n = gl.cdiv(seqlen_k, BLOCK_N)
+        off_bhk, pid_n = head_and_block(num_n, True, HEAD_GROUP)
+        off_b = off_bhk // nheads_k
+        off_hk = off_bhk % nheads_k
+        n0 = pid_n * BLOCK_N
+        q_first = off_b * q_rows[0]
+        do_first = off_b * do_rows[0]
+        k_first = off_b * k_rows[0]
+        v_first = off_b * v_rows[0]
+        dq_first = off_b * dq_rows[0]
+        lse_first_row = off_b * stride_lse_b
+        dk_first = off_b * stride_dkb
+        dv_first = off_b * stride_dvb
+    off_h0 = off_hk * group_size
+    shift = seqlen_k - seqlen_q
+    m_lo = 0
+    if CAUSAL:  # the first query block that sees any of the block's keys
+        m_lo = (gl.maximum(n0 - shift, 0) // BLOCK_M) * BLOCK_M
+    m_stop = seqlen_q
+    if WINDOW:  # query m sees key n while n >= m + Sk - Sq - window_left
+        m_stop = gl.minimum(n0 + BLOCK_N - shift + window_left, seqlen_q)
+    n_mblocks = gl.cdiv(gl.maximum(m_stop - m_lo, 0), BLOCK_M)
+    if VARLEN:  # a pair past the last key block (ops.varlen_blocks) has no steps, and stores nothing
+        n_mblocks = gl.where(n0 < seqlen_k, n_mblocks, 0)
+    return (off_b, off_hk, off_h0, n0, shift, seqlen_q, seqlen_k, m_lo, m_lo + n_mblocks * BLOCK_M,
+            group_size * n_mblocks, q_first, do_first, k_first, v_first, dq_first, lse_first_row, dk_first, dv_first)
+
+
+@gluon.jit
+def allocate_dkdv_ring(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, STAGES: gl.constexpr,
+                       BLOCK_M: gl.constexpr):
+    """The shared memory `dkdv_producer` fills: STAGES stages of Q, dO, LSE and delta (a `ready` mbarrier each, and an
+    `empty` one that both consumer warpgroups arrive at), and the program's K and V (`kv_bar`)."""
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+    mbarrier.init(kv_bar, count=1)
+    return q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar

@@ -30,9 +30,9 @@ from flashpatch.kernels.config import head_group
 from flashpatch.kernels.launch import cdiv, launch
 from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
-    alibi_bias, causal_mask_t, descriptor, dkdv_producer, head_slope_log2, next_query_step, sm90_dense_ok,
-    softcap_scores, varlen_lse_start, varlen_pair, vector_descriptor, window_mask_t)
-from flashpatch.kernels.triton.common import alibi_batch_stride, head_and_block
+    alibi_bias, allocate_dkdv_ring, causal_mask_t, descriptor, dkdv_producer, head_slope_log2, key_block_program,
+    next_query_step, sm90_dense_ok, softcap_scores, vector_descriptor, window_mask_t)
+from flashpatch.kernels.triton.common import alibi_batch_stride
 
 HEADDIM = 256
 BLOCK_M = 64  # queries per step
@@ -163,62 +163,20 @@ def attn_bwd_dkdv256_kernel(
     PRODUCER_REGS: gl.constexpr,
 ):
     gl.static_assert(not WINDOW or CAUSAL, "a sliding window runs causal")
-    if VARLEN:  # a (sequence, key block) pair of VARLEN_BLOCKS per program, a K/V head's pairs side by side
-        gl.static_assert(KEY_TAIL, "a varlen sequence's last key block is masked")
-        off_b, off_hk, block, q_first, k_first, seqlen_q, seqlen_k = varlen_pair(
-            VARLEN_BLOCKS, CU_SEQLENS_Q, CU_SEQLENS_K, nheads_k)  # off_b: the sequence
-        n0 = block * BLOCK_N
-        do_first = q_first
-        v_first = k_first
-        lse_first_row = varlen_lse_start(q_first, off_b)
-        dk_first = k_first * stride_dks
-        dv_first = k_first * stride_dvs
-    else:
-        num_n = gl.cdiv(seqlen_k, BLOCK_N)
-        # Triton's 1-D grid order (triton/common.py); causal: the first key blocks see the most queries
-        off_bhk, pid_n = head_and_block(num_n, True, HEAD_GROUP)
-        off_b = off_bhk // nheads_k
-        off_hk = off_bhk % nheads_k
-        n0 = pid_n * BLOCK_N
-        q_first = off_b * q_rows[0]
-        do_first = off_b * do_rows[0]
-        k_first = off_b * k_rows[0]
-        v_first = off_b * v_rows[0]
-        lse_first_row = off_b * stride_lse_b
-        dk_first = off_b * stride_dkb
-        dv_first = off_b * stride_dvb
-    off_h0 = off_hk * group_size
-    shift = seqlen_k - seqlen_q
-    m_lo = 0
-    if CAUSAL:  # the first query block that sees any of the program's keys
-        m_lo = (gl.maximum(n0 - shift, 0) // BLOCK_M) * BLOCK_M
-    m_stop = seqlen_q
-    if WINDOW:  # query m sees key n while n >= m + Sk - Sq - window_left
-        m_stop = gl.minimum(n0 + BLOCK_N - shift + window_left, seqlen_q)
-    n_mblocks = gl.cdiv(gl.maximum(m_stop - m_lo, 0), BLOCK_M)
-    if VARLEN:  # a pair past the last key block (ops.varlen_blocks) has no steps, and stores nothing
-        n_mblocks = gl.where(n0 < seqlen_k, n_mblocks, 0)
-    m_end = m_lo + n_mblocks * BLOCK_M
-    total = group_size * n_mblocks
+    gl.static_assert(KEY_TAIL or not VARLEN, "a varlen sequence's last key block is masked")
+    (off_b, off_hk, off_h0, n0, shift, seqlen_q, seqlen_k, m_lo, m_end, total, q_first, do_first, k_first,
+     v_first, _, lse_first_row, dk_first, dv_first) = key_block_program(
+        VARLEN_BLOCKS, CU_SEQLENS_Q, CU_SEQLENS_K, q_rows, do_rows, k_rows, v_rows, q_rows, stride_dkb, stride_dks,
+        stride_dvb, stride_dvs, stride_lse_b, nheads_k, group_size, seqlen_q, seqlen_k, window_left, CAUSAL, WINDOW,
+        VARLEN, HEAD_GROUP, BLOCK_M, BLOCK_N)
 
-    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
-    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar = allocate_dkdv_ring(
+        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, STAGES, BLOCK_M)
     # the step's Pᵀ from one consumer to the other, in the score layout both hold it in
     p_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M],
                                        gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     p_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     p_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
-    mbarrier.init(kv_bar, count=1)
     mbarrier.init(p_full, count=1)
     mbarrier.init(p_empty, count=1)
 
