@@ -3,9 +3,10 @@ torch.compile traces through them as opaque nodes.
 
 Dense tensors are (batch, seqlen, heads, headdim); varlen tensors are (total_tokens, heads, headdim) with
 cu_seqlens. Both run the same kernels: varlen reads a sequence's start and length from cu_seqlens, dense uses a
-batch stride. On an H100/H200 (sm_90), dense calls at head dim 64 or 128 that are causal or unmasked (with or without
-ALiBi slopes or softcap), of any lengths, run warp-specialized Gluon kernels instead, and so do such varlen calls and
-causal sliding windows without dropout (kernels/sm90/; same results); FLASHPATCH_GLUON=0 turns them off.
+batch stride. On an H100/H200 (sm_90), dense calls at head dim 64, 128 or 256 that are causal or unmasked (with or
+without ALiBi slopes or softcap), of any lengths, run warp-specialized Gluon kernels instead, and so do such varlen
+calls and causal sliding windows without dropout (kernels/sm90/; same results; dropout at head dims 64 and 128 only);
+FLASHPATCH_GLUON=0 turns them off.
 No argument checking here: flashpatch.validation does it in the public layer.
 """
 
