@@ -6,7 +6,7 @@ warpgroup holds dK or dV, not both (dkdv.py's consumers hold both for their 64 k
 and per step of 64 queries:
 
   producer (1 warp):      K, V of the program's keys once; per step Q, dO, LSE and delta into a ring of STAGES
-                          (dkdv.dkdv_producer).
+                          (common.dkdv_producer).
   scores consumer (WG 0): Sᵀ = K Qᵀ, Pᵀ = exp2(scores - LSE) with the masks, Pᵀ (times softcap's derivative)
                           into a shared fp32 tile for the other consumer (`p_full` / `p_empty`), dV += Pᵀ dO.
   gradient consumer (WG 1): dPᵀ = V dOᵀ, then dSᵀ = Pᵀ (dPᵀ - delta) from the shared tile, dK += dSᵀ Q.
