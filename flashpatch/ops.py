@@ -478,6 +478,11 @@ class _BwdPlan:
     static: dict = dataclasses.field(default_factory=dict, compare=False)  # as _FwdPlan's
 
 
+def _gluon_dkdv(headdim: int):
+    """The Gluon dK/dV module for `headdim` (None without Gluon): head dim 256 has its own (sm90/dkdv256.py)."""
+    return sm90_dkdv256 if headdim == 256 else sm90_dkdv
+
+
 def _bwd_plan(q, k, v, dout, varlen, batch, max_seqlen_q, max_seqlen_k, window_left, window_right, softcap,
               dropout_p, deterministic, opts, key) -> _BwdPlan:
     """attn_bwd_impl's decisions, from what _plan_key holds."""
@@ -486,7 +491,7 @@ def _bwd_plan(q, k, v, dout, varlen, batch, max_seqlen_q, max_seqlen_k, window_l
     # The Gluon Hopper kernels take the calls in their scope (sm90.common.sm90_dense_ok), the Triton ones the rest
     gluon_scope = dict(varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
                        window_right=window_right, softcap=softcap, dropout_p=dropout_p)
-    dkdv_kernel = sm90_dkdv256 if headdim == 256 else sm90_dkdv  # head dim 256 has its own
+    dkdv_kernel = _gluon_dkdv(headdim)
     gluon_dkdv = cfgs.gluon_dkdv and dkdv_kernel is not None and dkdv_kernel.supported(q, k, v, dout, **gluon_scope)
     fuses_dq = gluon_dkdv and dkdv_kernel.fuses_dq(headdim, dropout_p > 0)  # whether the Gluon dK/dV could add dQ
     fused_dq = not deterministic and cfgs.fused_dq and gluon_dkdv and fuses_dq
@@ -589,8 +594,7 @@ def attn_bwd_impl(
                                                     batch, max_seqlen_k, heaviest_first=False, opts=opts)
     elif varlen:  # the Gluon dK/dV's (sequence, key block) pairs, a sequence's first key block first
         gluon_varlen = (cu_seqlens_q, cu_seqlens_k,
-                        varlen_blocks(cu_seqlens_k, k.shape[0],
-                                      (sm90_dkdv256 if headdim == 256 else sm90_dkdv).BLOCK_N, heaviest_first=False,
+                        varlen_blocks(cu_seqlens_k, k.shape[0], _gluon_dkdv(headdim).BLOCK_N, heaviest_first=False,
                                       longest_first=opts.varlen_longest_first))
     else:
         gluon_varlen = None

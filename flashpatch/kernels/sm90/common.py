@@ -552,6 +552,8 @@ def window_mask_t(p_t, offs_n, offs_m, first_key_of_first_query):
 
 @gluon.jit
 def dkdv_producer(args, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """The dK/dV kernels' producer warp: the program's K and V once (`kv_bar`), then per step the (BLOCK_M, D) tiles
+    of Q and dO and the step's LSE and delta into the ring that `allocate_dkdv_ring` made."""
     (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs,
      k_smem, v_smem, ready, empty, kv_bar,
      q_row, q_row_per_head, q_col, q_col_per_head, do_row, do_row_per_head, do_col, do_col_per_head,
