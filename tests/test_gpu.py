@@ -714,6 +714,44 @@ def test_gluon_window_matches_float64(case, dtype, monkeypatch):
 @needs_gluon
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", [
+    dict(window=256, batch=2, lengths=(1000, 1000), heads=(8, 2)),  # dense rows: the closed form over head groups
+    dict(window=100, batch=1, lengths=(2048, 2048), heads=(4, 2)),
+    dict(window=300, batch=1, lengths=(640, 1152), heads=(4, 2), alibi=True),  # Sq < Sk
+    dict(window=50, batch=2, lengths=(384, 128), heads=(4, 1)),  # Sq > Sk: rows that see no key
+    dict(window=2000, batch=3, lengths=(4096, 4096), heads=(16, 4), softcap=10.0),  # 3 x 16 x 32 blocks: 12 rounds
+], ids=lambda c: (f"b{c['batch']}-q{c['lengths'][0]}-k{c['lengths'][1]}-h{c['heads'][0]}:{c['heads'][1]}"
+                  f"-w{c['window']}" + ("-alibi" if c.get("alibi") else "") + ("-softcap" if c.get("softcap") else "")))
+def test_gluon_persistent_forward_windows_bit_identical(case, dtype, monkeypatch):
+    # The persistent forward takes windowed blocks too (common.query_tile): its pipelined consumers run the per-block
+    # program's arithmetic in its order, the masked steps on the window's left edge and diagonal included, so outputs
+    # and LSE equal the per-block grid's bit for bit; the float64 window tests run the persistent form, the default at
+    # head dim 128
+    nheads, nheads_k = case["heads"]
+    batch = case["batch"]
+    kwargs = dict(causal=True, softcap=case.get("softcap", 0.0), window_size=(case["window"], 0))
+    q, k, v = _gluon_qkv(batch, *case["lengths"], nheads, nheads_k, 128, "bshd", dtype)
+    if case.get("alibi"):
+        kwargs["alibi_slopes"] = _geometric_slopes(batch, nheads)
+    forms = []  # the PERSISTENT constexpr of each forward launch
+
+    def record(*args, _launch=sm90_fwd.launch, **launch_kwargs):
+        forms.append(launch_kwargs["PERSISTENT"])
+        return _launch(*args, **launch_kwargs)
+
+    monkeypatch.setattr(sm90_fwd, "launch", record)
+    results = {}
+    for persistent in (False, True):
+        with torch.no_grad(), kernel_options.override(gluon_fwd=True, persistent_fwd=persistent):
+            results[persistent] = flashpatch.flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)[:2]
+    assert forms == [False, True], forms
+    (out0, lse0), (out1, lse1) = results[False], results[True]
+    assert not torch.isnan(out1).any() and out1.abs().sum() > 0
+    assert torch.equal(out0, out1) and torch.equal(lse0, lse1)
+
+
+@needs_gluon
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", [
     dict(lengths_q=[1, 17, 113, 1000, 0, 300, 4095], heads=(8, 2), headdim=128, window=200),
     dict(lengths_q=[17, 300, 105, 2000], lengths_k=[113, 200, 64, 1999], heads=(4, 1), headdim=128, window=64),
     dict(lengths_q=[700, 3, 1500, 129], heads=(6, 2), headdim=64, window=129, alibi=True),

@@ -210,6 +210,18 @@ def query_block_of_tile(tile, num_bh, seqlen_q, seqlen_k, nheads, group_size, CA
 
 
 @gluon.jit
+def query_tile(tile, num_tiles, seqlen_q, seqlen_k, nheads, group_size, window_left, CAUSAL: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_GROUP: gl.constexpr, WINDOW: gl.constexpr):
+    """A persistent program's query block `tile` of num_tiles = batch x heads x query blocks: `query_block_of_tile`'s
+    (batch, head, K/V head, first query row, Sk - Sq) and `window_steps`' four counts."""
+    off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_of_tile(
+        tile, num_tiles // gl.cdiv(seqlen_q, BLOCK_M), seqlen_q, seqlen_k, nheads, group_size, CAUSAL, BLOCK_M,
+        BLOCK_N, HEAD_GROUP)
+    n_first, n_lo, n_full, n_steps = window_steps(m0, shift, n_full, n_steps, window_left, BLOCK_M, BLOCK_N, WINDOW)
+    return off_b, off_h, off_hk, m0, shift, n_first, n_lo, n_full, n_steps
+
+
+@gluon.jit
 def key_steps(m0, seqlen_q, seqlen_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """(Sk - Sq, key blocks below the diagonal, key blocks to visit) of the query block from row m0."""
     shift = seqlen_k - seqlen_q
@@ -496,19 +508,20 @@ def producer_persistent(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
                         q_ready, q_empty, q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols,
                         num_tiles, nheads, group_size, seqlen_q, seqlen_k, SCHEDULE, schedule_rounds,
                         CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr):
+                        STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, window_left=0, WINDOW: gl.constexpr = False):
     """A persistent program's producer (the forward's, which passes None for dO, and dQ's): per
-    tile, Q (and dO) into one of two buffers once both consumers released it two tiles ago, then the tile's
-    K/V blocks into the ring, which runs on across tiles (so the next tile's first blocks load under this
-    one's last steps and epilogue)."""
-    num_bh = num_tiles // gl.cdiv(seqlen_q, BLOCK_M)
+    tile (`query_tile`), Q (and dO) into one of two buffers once both consumers released it two tiles ago, then the
+    tile's K/V blocks into the ring, which runs on across tiles (so the next tile's first blocks load under this
+    one's last steps and epilogue). WINDOW (the forward's): a tile's K/V stream starts at the first key block its
+    first row sees."""
     ring = 0  # key blocks streamed so far
     done = 0  # tiles so far
     for rnd in range(persistent_rounds(num_tiles, SCHEDULE, schedule_rounds)):
         tile = persistent_tile(rnd, SCHEDULE, schedule_rounds)
         if tile < num_tiles:
-            off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_of_tile(
-                tile, num_bh, seqlen_q, seqlen_k, nheads, group_size, CAUSAL, BLOCK_M, BLOCK_N, HEAD_GROUP)
+            off_b, off_h, off_hk, m0, _, n_first, _, _, n_steps = query_tile(
+                tile, num_tiles, seqlen_q, seqlen_k, nheads, group_size, window_left, CAUSAL, BLOCK_M, BLOCK_N,
+                HEAD_GROUP, WINDOW)
             qb = done % 2
             bar = q_ready.index(qb)
             mbarrier.wait(q_empty.index(qb), ((done // 2) & 1) ^ 1)
@@ -519,9 +532,10 @@ def producer_persistent(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
                 tma_load(do_desc, [off_b * do_rows[0] + off_h * do_rows[1] + m0, off_h * do_cols], bar,
                          do_bufs.index(qb))
             tma_load(q_desc, [off_b * q_rows[0] + off_h * q_rows[1] + m0, off_h * q_cols], bar, q_bufs.index(qb))
+            key_row = n_first * BLOCK_N
             stream_kv(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty,
-                      off_b * k_rows[0] + off_hk * k_rows[1], off_hk * k_cols,
-                      off_b * v_rows[0] + off_hk * v_rows[1], off_hk * v_cols, n_steps, ring, BLOCK_N, STAGES)
+                      off_b * k_rows[0] + off_hk * k_rows[1] + key_row, off_hk * k_cols,
+                      off_b * v_rows[0] + off_hk * v_rows[1] + key_row, off_hk * v_cols, n_steps, ring, BLOCK_N, STAGES)
             ring += n_steps
             done += 1
 

@@ -17,12 +17,15 @@ backward kernels take it. Scope: `supported`. Lengths need not divide the tiles:
 sequence's end into the next head's or batch's rows (or zeros past the tensor), so a last query block computes rows that
 its masked stores skip, and a last key block's keys past seqlen_k are masked like a causal diagonal (common.key_limit).
 
-A persistent grid (`_persistent_fwd`, where config.persistent_grid chooses it: head dim 128) launches one program per
-SM instead, each looping over query blocks, so that a block's Q load and first K/V blocks run under the previous
-block's steps. Under a causal mask its programs take their blocks from a table built on the host
-(schedule.causal_schedule: head groups kept together for L2, the load balanced). Its consumers' loop is pipelined by
-one matmul (`_fwd_block_pipelined`): a step issues the previous block's P V and then its own S = Q Kᵀ and waits for
-both, so the tensor core runs them back to back. docs/tuning.md ("Gluon forward") has the measurements.
+A persistent grid (`_persistent_fwd`, where config.persistent_grid chooses it: head dim 128, dense rows, with or
+without a sliding window) launches one program per SM instead, each looping over query blocks (common.query_tile),
+so that a block's Q load and first K/V blocks run under the previous block's steps and epilogue, which narrow
+windows' short blocks gain most from. Varlen batches keep a program per block: their blocks' costs differ too much
+for a static deal (docs/tuning.md, "persistent grids"). Under a causal mask without a window the programs take their
+blocks from a table built on the host (schedule.causal_schedule: head groups kept together for L2, the load
+balanced). Its consumers' loop is pipelined by one matmul (`_fwd_block_pipelined`): a step issues the previous
+block's P V and then its own S = Q Kᵀ and waits for both, so the tensor core runs them back to back. docs/tuning.md
+("Gluon forward") has the measurements.
 
 With dropout (two consumers, one program per query block) the keep bits come from warps of their own, as in dkdv.py's
 backward, so that the Philox arithmetic runs beside the consumers' matmuls and softmax:
@@ -48,7 +51,7 @@ from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     allocate_keep_ring, allocate_kv_ring, allocate_query_barriers, alibi_bias, carry_addend, carry_shift_in_ptx,
     descriptor, drop_pairs, dropout_seed_offset, head_slope_log2, kept_dims, key_limit, persistent_rounds,
-    persistent_tile, philox_wide, producer_persistent, query_block_of_tile, query_block_program, sm90_dense_ok,
+    persistent_tile, philox_wide, producer_persistent, query_block_program, query_tile, sm90_dense_ok,
     softcap_tanh, stream_kv, tma_load, varlen_query_block_program, window_keys, window_steps)
 from flashpatch.kernels.sm90.schedule import causal_schedule_tensor
 from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_rows
@@ -328,9 +331,9 @@ def _fwd_block(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empt
 
 @gluon.jit
 def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
-                         shift, key_lim, n_full, n_steps, qk_scale, cap_log2, alibi_log2, HEADDIM: gl.constexpr,
-                         HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr,
-                         FOLD: gl.constexpr, SOFTCAP: gl.constexpr):
+                         shift, key_lim, key_lo, n_lo, n_full, n_steps, qk_scale, cap_log2, alibi_log2,
+                         HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         ALIBI: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
     """`_fwd_block` (no dropout) for a persistent program's consumer, software-pipelined by one matmul: step i
     issues block i - 1's P V and then block i's S = Q Kᵀ and waits for both at once, so the tensor core runs them
     back to back instead of idling while the warpgroup waits for P V, releases the slot, and issues the next S. P is
@@ -338,7 +341,7 @@ def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, rea
     `_fwd_block`, so the outputs are the per-block program's bit for bit.
 
     One loop over the key blocks picks the masked step per block (`_pipelined_softmax`), in place of
-    `_fwd_block`'s two loops: with two loops, Triton 3.6 compiled a persistent kernel so that the first consumer
+    `_fwd_block`'s three loops: with two loops, Triton 3.6 compiled a persistent kernel so that the first consumer
     warpgroup's matmuls read the wrong shared memory whenever the unmasked loop had no trips (a causal tile at the
     diagonal), while the second warpgroup, the same code, was right. dq.py's persistent dQ keeps one loop too."""
     s_layout: gl.constexpr = zero_s.type.layout
@@ -355,9 +358,9 @@ def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, rea
         qk = warpgroup_mma(q_s, k_bufs.index(ring % STAGES).permute((1, 0)), zero_s, use_acc=False,
                            is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
-        p_op, acc, m_i, l_i = _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, 0, n_full, shift, key_lim,
-                                                 qk_scale, cap_log2, alibi_log2, q_s.dtype, a_layout, ALIBI, BLOCK_N,
-                                                 FOLD, SOFTCAP)
+        p_op, acc, m_i, l_i = _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, 0, n_lo, n_full, shift, key_lim,
+                                                 key_lo, qk_scale, cap_log2, alibi_log2, q_s.dtype, a_layout, ALIBI,
+                                                 BLOCK_N, FOLD, SOFTCAP, WINDOW)
     for i in range(1, n_steps):
         prev = (ring + i - 1) % STAGES
         mbarrier.wait(ready_v.index(prev), ((ring + i - 1) // STAGES) & 1)
@@ -367,9 +370,9 @@ def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, rea
         qk = warpgroup_mma(q_s, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         qk, acc = warpgroup_mma_wait(0, deps=(qk, pv))
         mbarrier.arrive(empty.index(prev))
-        p_op, acc, m_i, l_i = _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_full, shift, key_lim,
-                                                 qk_scale, cap_log2, alibi_log2, q_s.dtype, a_layout, ALIBI, BLOCK_N,
-                                                 FOLD, SOFTCAP)
+        p_op, acc, m_i, l_i = _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_lo, n_full, shift, key_lim,
+                                                 key_lo, qk_scale, cap_log2, alibi_log2, q_s.dtype, a_layout, ALIBI,
+                                                 BLOCK_N, FOLD, SOFTCAP, WINDOW)
     if n_steps > 0:  # the last block's P V
         last = (ring + n_steps - 1) % STAGES
         mbarrier.wait(ready_v.index(last), ((ring + n_steps - 1) // STAGES) & 1)
@@ -380,17 +383,22 @@ def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, rea
 
 
 @gluon.jit
-def _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_full, shift, key_lim, qk_scale, cap_log2, alibi_log2,
-                       dtype: gl.constexpr, a_layout: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
-                  FOLD: gl.constexpr, SOFTCAP: gl.constexpr):
+def _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_lo, n_full, shift, key_lim, key_lo, qk_scale, cap_log2,
+                       alibi_log2, dtype: gl.constexpr, a_layout: gl.constexpr, ALIBI: gl.constexpr,
+                       BLOCK_N: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
     """`_fwd_block_pipelined`'s step after its wait: block i's scores into P (the next P V's A operand: dtype,
-    a_layout), masked past the first n_full blocks, and acc rescaled by the running max's change."""
-    if i < n_full:
-        p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, key_lim, qk_scale,
-                                             cap_log2, alibi_log2, False, ALIBI, BLOCK_N, FOLD, SOFTCAP, False)
+    a_layout), masked past the first n_full blocks (and under a WINDOW before block n_lo), and acc rescaled by the
+    running max's change."""
+    if WINDOW:
+        unmasked = (i >= n_lo) & (i < n_full)
     else:
-        p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, key_lim, qk_scale,
-                                             cap_log2, alibi_log2, True, ALIBI, BLOCK_N, FOLD, SOFTCAP, False)
+        unmasked = i < n_full
+    if unmasked:
+        p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, key_lo, qk_scale,
+                                             cap_log2, alibi_log2, False, ALIBI, BLOCK_N, FOLD, SOFTCAP, WINDOW)
+    else:
+        p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, key_lo, qk_scale,
+                                             cap_log2, alibi_log2, True, ALIBI, BLOCK_N, FOLD, SOFTCAP, WINDOW)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
     return gl.convert_layout(p.to(dtype), a_layout), acc, m_i, l_i
 
@@ -419,34 +427,35 @@ def _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, ro
 def _fwd_consumer_persistent(q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
                              ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
                              stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2,
-                             SCHEDULE, schedule_rounds, WG: gl.constexpr, CAUSAL: gl.constexpr,
+                             SCHEDULE, schedule_rounds, window_left, WG: gl.constexpr, CAUSAL: gl.constexpr,
                              HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr,
-                             FOLD: gl.constexpr, SOFTCAP: gl.constexpr):
-    """`_fwd_consumer` over this program's tiles, the producer's order; releases Q (`q_empty`) after the
-    tile's last step, before its epilogue."""
+                             FOLD: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
+    """`_fwd_consumer` over this program's tiles (common.query_tile), the producer's order; releases Q (`q_empty`)
+    after the tile's last step, before its epilogue."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
-    num_bh = num_tiles // gl.cdiv(seqlen_q, 2 * HALF_M)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    offs_key = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
     ring = 0
     done = 0
     for rnd in range(persistent_rounds(num_tiles, SCHEDULE, schedule_rounds)):
         tile = persistent_tile(rnd, SCHEDULE, schedule_rounds)
         if tile < num_tiles:
-            off_b, off_h, off_hk, m0, shift, n_full, n_steps = query_block_of_tile(
-                tile, num_bh, seqlen_q, seqlen_k, nheads, group_size, CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_GROUP)
+            off_b, off_h, off_hk, m0, shift, n_first, n_lo, n_full, n_steps = query_tile(
+                tile, num_tiles, seqlen_q, seqlen_k, nheads, group_size, window_left, CAUSAL, 2 * HALF_M, BLOCK_N,
+                HEAD_GROUP, WINDOW)
             alibi_log2 = head_slope_log2(ALIBI_SLOPES, off_b * stride_alibi_b + off_h, ALIBI)
             qb = done % 2
             q_s = q_bufs.index(qb).slice(WG * HALF_M, HALF_M)  # (HALF_M, D)
             offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
             key_lim = key_limit(offs_m, shift, seqlen_k, CAUSAL)
+            offs_n, key_lo, n_lo = window_keys(offs_m, offs_key, shift, key_lim, (n_lo, n_first * BLOCK_N, window_left),
+                                               WINDOW)
             acc, m_i, l_i = _fwd_block_pipelined(q_s, q_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs,
                                                  ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift, key_lim,
-                                                 n_full,
-                                                 n_steps, qk_scale, cap_log2, alibi_log2, HEADDIM, HALF_M, BLOCK_N,
-                                                 STAGES, ALIBI, FOLD, SOFTCAP)
+                                                 key_lo, n_lo, n_full, n_steps, qk_scale, cap_log2, alibi_log2,
+                                                 HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP, WINDOW)
             mbarrier.arrive(q_empty.index(qb))
             _fwd_epilogue(acc, m_i, l_i, O, LSE, off_b * stride_ob + off_h * stride_oh, stride_os,
                           off_b * stride_lse_b + off_h * stride_lse_h, offs_m, m0 + WG * HALF_M, seqlen_q,
@@ -467,15 +476,15 @@ def attn_fwd_hopper_kernel(
     DRAWER_WARPS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr, VARLEN: gl.constexpr, WINDOW: gl.constexpr,
 ):
-    # WINDOW: a causal sliding window of window_left keys (common.window_steps), on the grid of one program per block
-    gl.static_assert(not WINDOW or (CAUSAL and not PERSISTENT and not DROPOUT),
-                     "a sliding window runs causal, one program per block, without dropout")
+    # WINDOW: a causal sliding window of window_left keys (common.window_steps)
+    gl.static_assert(not WINDOW or (CAUSAL and not DROPOUT), "a sliding window runs causal, without dropout")
     if PERSISTENT:  # num_tiles: batch x heads x query blocks, which the programs take in turn
-        gl.static_assert(not VARLEN, "the varlen form runs one program per block")
+        gl.static_assert(not VARLEN and not DROPOUT, "varlen batches and dropout run one program per block")
         _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols, k_rows, k_cols, v_rows,
                         v_cols, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
                         num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2, SCHEDULE,
-                        schedule_rounds, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI, FOLD, SOFTCAP)
+                        schedule_rounds, window_left, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI,
+                        FOLD, SOFTCAP, WINDOW)
         return
     if VARLEN:  # the views' rows are the packed tokens: a sequence starts at its cu_seqlens entry
         gl.static_assert(not DROPOUT, "the varlen form draws no dropout")
@@ -575,12 +584,12 @@ def attn_fwd_hopper_kernel(
 def _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,
                     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
                     num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2, SCHEDULE, schedule_rounds,
-                    CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr,
-                    SOFTCAP: gl.constexpr):
+                    window_left, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr,
+                    FOLD: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
     """The PERSISTENT kernel body: two Q buffers (the next tile's Q loads under this one's steps), the K/V
     ring, and the same three partitions looping over the program's tiles (`persistent_tile`: SCHEDULE's, or
-    the closed form where it is None)."""
+    the closed form where it is None), with or without a sliding window."""
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs, v_bufs, ready_k, ready_v, empty = allocate_kv_ring(k_desc, v_desc, STAGES, 2)
     q_ready, q_empty = allocate_query_barriers()
@@ -589,17 +598,17 @@ def _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols
         (_fwd_consumer_persistent, (q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
                                     ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
                                     stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
-                                    cap_log2, SCHEDULE, schedule_rounds, 0, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES,
-                                    HEAD_GROUP, ALIBI, FOLD, SOFTCAP)),
+                                    cap_log2, SCHEDULE, schedule_rounds, window_left, 0, CAUSAL, HEADDIM, HALF_M,
+                                    BLOCK_N, STAGES, HEAD_GROUP, ALIBI, FOLD, SOFTCAP, WINDOW)),
         (_fwd_consumer_persistent, (q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
                                     ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
                                     stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
-                                    cap_log2, SCHEDULE, schedule_rounds, 1, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES,
-                                    HEAD_GROUP, ALIBI, FOLD, SOFTCAP)),
+                                    cap_log2, SCHEDULE, schedule_rounds, window_left, 1, CAUSAL, HEADDIM, HALF_M,
+                                    BLOCK_N, STAGES, HEAD_GROUP, ALIBI, FOLD, SOFTCAP, WINDOW)),
         (producer_persistent, (q_desc, None, k_desc, v_desc, q_bufs, None, k_bufs, v_bufs, ready_k, ready_v,
                                empty, q_ready, q_empty, q_rows, q_cols, None, None, k_rows, k_cols, v_rows,
                                v_cols, num_tiles, nheads, group_size, seqlen_q, seqlen_k, SCHEDULE,
-                               schedule_rounds, CAUSAL, 2 * HALF_M, BLOCK_N, STAGES, HEAD_GROUP)),
+                               schedule_rounds, CAUSAL, 2 * HALF_M, BLOCK_N, STAGES, HEAD_GROUP, window_left, WINDOW)),
     ], [4, 1], [232, 24])
 
 
@@ -683,7 +692,7 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     persistent_fwd, causal_schedule, head_group and cached_launch. site: launch.launch's, for the arguments that
     follow from the call's shapes and options (the launch tells apart a schedule table built or not).
     window_left >= 0: a causal sliding window, query row m seeing keys m + Sk - Sq - window_left through
-    m + Sk - Sq (common.window_steps), one program per query block, no dropout. cap_log2 > 0: softcap, the scores
+    m + Sk - Sq (common.window_steps), no dropout. cap_log2 > 0: softcap, the scores
     cap_log2 * tanh(qk * qk_scale) with qk_scale = softmax_scale / softcap (ops._scales; `_softmax_update`)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
@@ -698,7 +707,7 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     if headdim == 256 and dropout:
         raise ValueError(f"the Gluon forward at head dim 256 draws no dropout, got dropout_p={dropout_p}")
     keys = block_n(headdim)
-    if dropout or window or headdim == 256:  # two (128, 256) Q buffers would not fit beside the ring
+    if dropout or headdim == 256:  # two (128, 256) Q buffers would not fit beside the ring
         persistent = False
     elif options.persistent_fwd is None:
         persistent = persistent_grid("fwd", cdiv(seqlen_q, BLOCK_M), headdim)
@@ -716,12 +725,13 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     if persistent:
         # one program per SM; a causal grid in head groups dealt out by schedule.causal_schedule, or (without
         # options.causal_schedule, or in a CUDA graph capture that finds no table built) all heads block-major, heaviest
-        # first, which persistent_tile's alternating rounds balance
+        # first, which persistent_tile's alternating rounds balance. Under a sliding window, whose blocks cost alike
+        # but the first few, the closed form over head groups (the per-block grid's order: neighbours share K/V in L2)
         grid = (min(num_tiles, sm_count(q.device)),)
-        if causal and options.causal_schedule:
+        if causal and not window and options.causal_schedule:
             schedule, schedule_rounds = causal_schedule_tensor(batch * nheads, seqlen_q, seqlen_k, block_m, keys,
                                                                order, grid[0], q.device)
-        if causal and schedule is None:
+        if causal and not window and schedule is None:
             order = 0
     else:
         grid = (num_tiles,)
