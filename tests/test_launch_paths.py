@@ -194,6 +194,9 @@ def test_fused_dq_only_for_rows_with_long_keys():
     assert not fused(headdim=64) and not fused(headdim=256)
     assert fused(headdim=64, dropout=True) and not fused(headdim=64, dropout=True, long_keys=False)
     assert not fused(is_cuda=False)
+    # the measured edge (docs/tuning.md, "fused dQ"): causal rows of 3072 and 4000 queries gained from it, of 2048 lost
+    long_causal = [ops._mean_keys_seen(n, n, -1, 0) >= kernel_config.LONG_KEYS for n in (2048, 3072, 4000)]
+    assert long_causal == [False, True, True]
 
 
 @pytest.mark.parametrize("headdim,accum_dtype,accum_rows", [(64, torch.float32, 17), (128, torch.bfloat16, 17),

@@ -59,7 +59,7 @@ class KernelConfigs:
 
 ALIGN = 128  # every block size below is a power of two up to this (ops._aligned)
 SHORT = 1024  # query lengths up to this count as short (configs_for's `short`)
-LONG_KEYS = 2048  # a query's mean keys seen from this on count as long (configs_for's `long_keys`)
+LONG_KEYS = 1536  # a query's mean keys seen from this on count as long (configs_for's `long_keys`)
 LONG_KEYS_DROPOUT = 1024  # the same with dropout (KernelConfigs.fused_dq: measured from 1024 on)
 
 
