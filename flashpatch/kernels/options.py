@@ -30,7 +30,7 @@ class KernelOptions:
 
     # The Gluon forward as a persistent grid (one program per SM, taking query blocks in turn) or as one program per
     # query block; None: config.persistent_grid (persistent at head dim 128). Dropout always runs per block (the
-    # persistent form has no drawer warps).
+    # persistent form has no drawer warps), and so do varlen batches (a static deal of their uneven blocks lost).
     persistent_fwd: bool | None = None
     # The same for the Gluon dQ; None: config.persistent_grid (rows of at most 8 query blocks, not beside dK/dV).
     persistent_dq: bool | None = None
