@@ -2,6 +2,7 @@
 
     python benchmarks/bench_attention.py --quick            # a few shapes, minutes
     python benchmarks/bench_attention.py --seqlens 4096,8192,16384 --peers fpatch,sdpa_flash,sdpa_cudnn,flex
+    python benchmarks/bench_attention.py --match window --peers fpatch --kernel_options persistent_fwd=false
 
 Cases: dense full and causal at head dim 64 and 128 (B·N = 16k tokens, H·D = 2048), GQA (4 query heads per K/V
 head), dropout p = 0.1 (dense, and one varlen case), ALiBi (SDPA gets it as a float mask, FlexAttention as a score_mod), and varlen: document
@@ -30,6 +31,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(1, str(REPO))  # import flashpatch from this checkout without `pip install -e .`
+
+from flashpatch.kernels import options  # noqa: E402
 
 PEERS = ("fpatch", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex")
 
@@ -434,7 +437,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--match", default="",
                         help="only the cases whose name contains this, or one of its '|'-separated parts "
                              "(e.g. dropout, or 'd256|softcap')")
+    parser.add_argument("--kernel_options", default="",
+                        help="flashpatch.kernels.options.override arguments for the whole run, as recipes/train.py "
+                             "takes them (e.g. persistent_fwd=false,fused_dq=true): an A/B against the defaults, "
+                             "its fpatch rows named with them in the history")
     args = parser.parse_args(argv)
+    try:
+        overrides = kernel_overrides(args.kernel_options)
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
     if not torch.cuda.is_available():
         print("bench_attention.py measures GPU kernels and needs a CUDA GPU; none is visible here. On CPU the "
               "kernels run in the Triton interpreter, whose timings measure nothing; recipes/train.py checks loss "
@@ -457,16 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name()
 
     rows, checks = [], {}
-    for case in cases:
-        try:
-            checks[case.name] = check_fpatch(case, dtype) if "fpatch" in peers else None
-        except Exception as exc:  # noqa: BLE001
-            checks[case.name] = f"{type(exc).__name__}: {exc}"[:200]
-        for peer in peers:
-            row = bench_one(peer, case, dtype, args.warmup, args.rep)
-            rows.append(row)
-            tf = f"{row['fwd_bwd_tflops']:.0f} TFLOP/s fwd+bwd" if row["status"] == "ok" else row["reason"]
-            print(f"{case.name:34s} {peer:15s} {tf}", file=sys.stderr, flush=True)
+    with options.override(**overrides):  # read by every flashpatch call the cases make
+        measure_cases(cases, peers, dtype, args.warmup, args.rep, rows, checks)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -478,11 +481,13 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "flops": "fwd = 4*B*H*Sq*Sk*D (causal /2, varlen: sum over documents); bwd = 2.5x, fwd+bwd = 3.5x",
+        "kernel_options": args.kernel_options,
         "cases": [asdict(c) for c in cases],
         "fpatch_max_abs_diff_vs_sdpa": checks,
         "results": rows,
     }
-    title = f"## bench_attention: {gpu}, {args.dtype}{' (quick)' if args.quick else ''}"
+    title = (f"## bench_attention: {gpu}, {args.dtype}{' (quick)' if args.quick else ''}"
+             + (f", fpatch with {args.kernel_options}" if args.kernel_options else ""))
     table = markdown_table(rows, cases)
     (out / "bench_attention.json").write_text(json.dumps(report, indent=2))
     (out / "bench_attention.md").write_text(f"{title}\n\n{table}\n")
@@ -495,10 +500,43 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def kernel_overrides(text: str) -> dict:
+    """--kernel_options text -> options.override's keyword arguments (recipes/train_config.parse_kernel_options's
+    syntax), each name checked against flashpatch's options: ValueError or TypeError naming the bad entry."""
+    if str(REPO / "recipes") not in sys.path:
+        sys.path.insert(1, str(REPO / "recipes"))
+    from train_config import parse_kernel_options
+
+    overrides = parse_kernel_options(text)
+    options.updated(options.DEFAULT, **overrides)  # TypeError naming fields that do not exist
+    return overrides
+
+
+def measure_cases(cases: list, peers: list[str], dtype: torch.dtype, warmup: int, rep: int, rows: list,
+                  checks: dict) -> None:
+    """Each case against each peer into rows (and fpatch's check against SDPA into checks), a line each on stderr."""
+    for case in cases:
+        try:
+            checks[case.name] = check_fpatch(case, dtype) if "fpatch" in peers else None
+        except Exception as exc:  # noqa: BLE001
+            checks[case.name] = f"{type(exc).__name__}: {exc}"[:200]
+        for peer in peers:
+            row = bench_one(peer, case, dtype, warmup, rep)
+            rows.append(row)
+            tf = f"{row['fwd_bwd_tflops']:.0f} TFLOP/s fwd+bwd" if row["status"] == "ok" else row["reason"]
+            print(f"{case.name:34s} {peer:15s} {tf}", file=sys.stderr, flush=True)
+
+
 def history_figures(report: dict) -> list[tuple[str, str, str, float]]:
-    """(case, implementation, metric, value) of every measured cell: fwd, bwd and fwd+bwd TFLOP/s."""
+    """(case, implementation, metric, value) of every measured cell: fwd, bwd and fwd+bwd TFLOP/s; under
+    --kernel_options fpatch is named with them."""
+    overrides = report.get("kernel_options", "")
+
+    def implementation(peer: str) -> str:
+        return f"{peer} ({overrides})" if overrides and peer == "fpatch" else peer
+
     return [
-        (f"{r['case']} {report['dtype']}", r["peer"], metric, r[metric])
+        (f"{r['case']} {report['dtype']}", implementation(r["peer"]), metric, r[metric])
         for r in report["results"] if r["status"] == "ok"
         for metric in ("fwd_tflops", "bwd_tflops", "fwd_bwd_tflops")
     ]

@@ -597,5 +597,15 @@ def test_bench_attention_history_rows(tmp_path):
         ("d128 causal N=4096 bf16", "fpatch", "bwd_tflops", "466.1"),
         ("d128 causal N=4096 bf16", "fpatch", "fwd_bwd_tflops", "477.2"),
     ]
+    # an A/B run's fpatch rows carry its kernel options; the peers' do not
+    fake["kernel_options"] = "persistent_fwd=false"
+    fake["results"].append({**fake["results"][0], "peer": "sdpa_cudnn"})
+    rows = list(csv.DictReader(bench_attention.append_history(str(tmp_path / "ab.csv"), fake).open()))
+    assert sorted({r["implementation"] for r in rows}) == ["fpatch (persistent_fwd=false)", "sdpa_cudnn"]
+    assert bench_attention.kernel_overrides("persistent_fwd=false,fused_dq=true") == {"persistent_fwd": False,
+                                                                                       "fused_dq": True}
+    for bad in ("persistent_fwd", "no_such_option=true", "persistent_fwd=maybe"):
+        with pytest.raises(SystemExit):  # argparse's error, naming the entry, before any GPU is asked for
+            bench_attention.main(["--kernel_options", bad])
     if not torch.cuda.is_available():
         assert bench_attention.main(["--quick"]) == 2  # GPU only: a clear refusal here
