@@ -224,7 +224,7 @@ def causal_head_group(num_blocks: int, num_sms: int) -> int:
 def persistent_grid(kernel: str, num_blocks: int, headdim: int, beside_dkdv: bool = False) -> bool:
     """Whether the Gluon `kernel` ("fwd" or "dq") runs as a persistent grid (one program per SM taking query blocks
     in turn, sm90.common.persistent_tile) for rows of num_blocks query blocks, rather than one program per block
-    (docs/tuning.md, "persistent grids"). The d128 forward on dense rows (sliding windows included) gains or ties
+    (docs/tuning.md, "sm_90 Gluon kernels"). The d128 forward on dense rows (sliding windows included) gains or ties
     everywhere, since each block's Q load and first K/V blocks run under the previous block's steps; the d64 forward
     loses a little; varlen batches are not asked (they run per block). dQ gains on short rows
     only: the closed-form deal cannot keep `head_group`'s head groups, whose L2 sharing dQ needs on longer ones. A

@@ -482,7 +482,7 @@ def persistent_tile(rnd, SCHEDULE, schedule_rounds):
     """This program's tile in round `rnd` of a persistent grid (num_tiles or more: none). With a SCHEDULE
     table (schedule.causal_schedule: the causal forward), the table's; else every other round runs in reverse
     (program p takes tile p, then 2P - 1 - p, ...), so over a causal grid ordered heaviest first a program that
-    took a heavy block takes a light one next (close to an even split: docs/tuning.md, "persistent grids")."""
+    took a heavy block takes a light one next (close to an even split: docs/tuning.md, "sm_90 Gluon kernels")."""
     pid = gl.program_id(0)
     if SCHEDULE is None:
         num_programs = gl.num_programs(0)

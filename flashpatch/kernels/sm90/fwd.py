@@ -21,7 +21,7 @@ A persistent grid (`_persistent_fwd`, where config.persistent_grid chooses it: h
 without a sliding window) launches one program per SM instead, each looping over query blocks (common.query_tile),
 so that a block's Q load and first K/V blocks run under the previous block's steps and epilogue, which narrow
 windows' short blocks gain most from. Varlen batches keep a program per block: their blocks' costs differ too much
-for a static deal (docs/tuning.md, "persistent grids"). Under a causal mask without a window the programs take their
+for a static deal (docs/tuning.md, "sm_90 Gluon kernels"). Under a causal mask without a window the programs take their
 blocks from a table built on the host (schedule.causal_schedule: head groups kept together for L2, the load
 balanced). Its consumers' loop is pipelined by one matmul (`_fwd_block_pipelined`): a step issues the previous
 block's P V and then its own S = Q Kᵀ and waits for both, so the tensor core runs them back to back. docs/tuning.md

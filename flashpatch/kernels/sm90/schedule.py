@@ -10,7 +10,7 @@ Here the blocks keep config.head_group's order (heads in groups of about one wav
 heaviest first) and go greedily, each to the program that a cost model says frees first: the longest-processing-
 time rule, what the hardware's dispatcher does with a grid of one program per block, without its per-program cost.
 It comes within a few percent of an even split, where the closed form on the same grouped order is far off
-(docs/tuning.md, "persistent grids").
+(docs/tuning.md, "sm_90 Gluon kernels").
 """
 
 from __future__ import annotations
