@@ -19,6 +19,7 @@ results/history.csv (--history; "" skips it), then prints the markdown table las
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import sys
@@ -500,14 +501,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _recipe_module(name: str):
+    """recipes/<name>.py, imported with recipes/ on the path (its helpers serve the recipes and this benchmark)."""
+    if str(REPO / "recipes") not in sys.path:
+        sys.path.insert(1, str(REPO / "recipes"))
+    return importlib.import_module(name)
+
+
 def kernel_overrides(text: str) -> dict:
     """--kernel_options text -> options.override's keyword arguments (recipes/train_config.parse_kernel_options's
     syntax), each name checked against flashpatch's options: ValueError or TypeError naming the bad entry."""
-    if str(REPO / "recipes") not in sys.path:
-        sys.path.insert(1, str(REPO / "recipes"))
-    from train_config import parse_kernel_options
-
-    overrides = parse_kernel_options(text)
+    overrides = _recipe_module("train_config").parse_kernel_options(text)
     options.updated(options.DEFAULT, **overrides)  # TypeError naming fields that do not exist
     return overrides
 
@@ -544,10 +548,7 @@ def history_figures(report: dict) -> list[tuple[str, str, str, float]]:
 
 def append_history(path: str, report: dict, **kwargs):
     """Append the report's figures to the CSV at path (recipes/history.py); kwargs: date, commit."""
-    if str(REPO / "recipes") not in sys.path:
-        sys.path.insert(1, str(REPO / "recipes"))
-    import history
-
+    history = _recipe_module("history")
     return history.append(path, history.rows(history_figures(report), gpu=report["gpu"],
                                              torch_version=report["torch"], triton_version=report["triton"],
                                              **kwargs))
