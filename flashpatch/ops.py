@@ -24,7 +24,7 @@ import triton
 from flashpatch.kernels import config as kernel_config
 from flashpatch.kernels import options as kernel_options
 from flashpatch.kernels import sm90
-from flashpatch.kernels.launch import cdiv, launch, next_power_of_2
+from flashpatch.kernels.launch import Record, cdiv, launch, next_power_of_2, replay
 from flashpatch.kernels.triton.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from flashpatch.kernels.triton.common import alibi_batch_stride
 from flashpatch.kernels.triton.dropout import dropout_mask_kernel
@@ -431,6 +431,10 @@ def attn_fwd_impl(
     qk_scale, cap_log2 = _scales(softmax_scale, softcap)
     grid, blocks, blocks_fastest = _launch_grid(nheads, cfg.block_m, cfg.blocks_fastest, cu_seqlens_q, q.shape[0],
                                                 batch, max_seqlen_q, heaviest_first=True, opts=opts)
+    sources, floats = (q, k, v, out, lse, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes), (
+        qk_scale, cap_log2, dropout_p)
+    if _replayed(attn_fwd_kernel, plan.site, sources, floats):
+        return out, lse
     ints, consts = _static_args(plan, "fwd", lambda: (
         (*_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen), *_seq_strides(out, varlen),
          *_lse_strides(lse, varlen), alibi_batch_stride(alibi_slopes),
@@ -446,9 +450,15 @@ def attn_fwd_impl(
         attn_fwd_kernel, grid,
         q, k, v, out, lse, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes, *ints,
         qk_scale, cap_log2, dropout_p, window_left, window_right,
-        **consts, cached_launch=opts.cached_launch, site=plan.site,
+        **consts, cached_launch=opts.cached_launch, site=plan.site, record=Record(plan.site, sources, floats),
     )
     return out, lse
+
+
+def _replayed(kernel, site, sources: tuple, floats: tuple = (), stream: Optional[int] = None) -> bool:
+    """Whether launch.replay re-issued this plan's launch of `kernel` (sources and floats: the launch's tensors and
+    floats in argument order, as its launch.Record names them)."""
+    return site is not None and replay(kernel, site, sources, floats, stream)
 
 
 # The custom op is what torch.compile and every tracer see; the autograd layer calls attn_fwd_impl directly in eager
@@ -575,13 +585,15 @@ def attn_bwd_impl(
         lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse)
     padded_rows, pre = plan.padded_rows, cfgs.bwd_dq
-    ints, consts = _static_args(plan, "preprocess", lambda: (
-        (*_seq_strides(out, varlen), *_seq_strides(dout, varlen), *_lse_strides(lse, varlen),
-         *_lse_strides(lse_in, varlen), nheads, max_seqlen_q, padded_rows),
-        dict(HEADDIM=headdim, BLOCK_D=tile_d, BLOCK_M=pre.block_m, IS_VARLEN=varlen, PAD=plan.pad,
-             ALIGN=kernel_config.ALIGN)))
-    launch(attn_bwd_preprocess_kernel, (batch * nheads, cdiv(padded_rows, pre.block_m)),
-           out, dout, delta, lse_in, lse, cu_seqlens_q, *ints, **consts, cached_launch=opts.cached_launch, site=site)
+    sources = (out, dout, delta, lse_in, lse, cu_seqlens_q)
+    if not _replayed(attn_bwd_preprocess_kernel, site, sources):
+        ints, consts = _static_args(plan, "preprocess", lambda: (
+            (*_seq_strides(out, varlen), *_seq_strides(dout, varlen), *_lse_strides(lse, varlen),
+             *_lse_strides(lse_in, varlen), nheads, max_seqlen_q, padded_rows),
+            dict(HEADDIM=headdim, BLOCK_D=tile_d, BLOCK_M=pre.block_m, IS_VARLEN=varlen, PAD=plan.pad,
+                 ALIGN=kernel_config.ALIGN)))
+        launch(attn_bwd_preprocess_kernel, (batch * nheads, cdiv(padded_rows, pre.block_m)),
+               *sources, *ints, **consts, cached_launch=opts.cached_launch, site=site, record=Record(site, sources))
 
     # fp32 accumulator for atomic dQ; otherwise dQ gets its own pass and the pointer is unused.
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else dq
@@ -611,6 +623,13 @@ def attn_bwd_impl(
                                       seed_offset=seed_offset, dropout_p=dropout_p, options=opts, stream=stream,
                                       varlen=gluon_varlen, site=site, window_left=window_left, cap_log2=cap_log2)
         else:
+            sources = (q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks,
+                       alibi_slopes)
+            floats = (qk_scale, cap_log2, softmax_scale, dropout_p)
+            if c.tma:  # on-device descriptors: their scratch comes from Triton's allocator, replayed or not
+                _ensure_allocator()
+            if _replayed(attn_bwd_dkdv_kernel, site, sources, floats, stream):
+                return
             ints, consts = _static_args(plan, "dkdv", lambda: (
                 (*_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
                  *_seq_strides(dout, varlen), *_seq_strides(dq_accum, varlen), *_seq_strides(dk, varlen),
@@ -624,13 +643,10 @@ def attn_bwd_impl(
                      EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim), DP_FIRST=c.dp_first,
                      **_common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype, alibi_slopes),
                      num_warps=c.num_warps, num_stages=c.num_stages)))
-            if consts["TMA"]:
-                _ensure_allocator()
             launch(
-                attn_bwd_dkdv_kernel, grid,
-                q, k, v, dout, lse, delta, dq_accum, dk, dv, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks,
-                alibi_slopes, *ints, qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
+                attn_bwd_dkdv_kernel, grid, *sources, *ints, *floats, window_left, window_right,
                 **consts, cached_launch=opts.cached_launch, on_stream=stream, site=site,
+                record=Record(site, sources, floats),
             )
 
     concurrent = plan.concurrent
@@ -653,6 +669,12 @@ def attn_bwd_impl(
             grid, blocks, blocks_fastest = _launch_grid(nheads, c.block_m, c.blocks_fastest, cu_seqlens_q,
                                                         q.shape[0], batch, max_seqlen_q, heaviest_first=True,
                                                         opts=opts)
+            sources = (q, k, v, dout, lse, delta, dq, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes)
+            floats = (qk_scale, cap_log2, softmax_scale, dropout_p)
+            if c.tma:
+                _ensure_allocator()
+            if _replayed(attn_bwd_dq_kernel, site, sources, floats):
+                return
             ints, consts = _static_args(plan, "dq", lambda: (
                 (*_seq_strides(q, varlen), *_seq_strides(k, varlen), *_seq_strides(v, varlen),
                  *_seq_strides(dout, varlen), *_seq_strides(dq, varlen), *_lse_strides(lse, varlen),
@@ -665,13 +687,9 @@ def attn_bwd_impl(
                      EVEN_INTERIOR=_even_interior(cfgs.even_tiles, headdim),
                      **_common_flags(varlen, window_left, window_right, softcap, dropout_p, q.dtype, alibi_slopes),
                      num_warps=c.num_warps, num_stages=c.num_stages)))
-            if consts["TMA"]:
-                _ensure_allocator()
             launch(
-                attn_bwd_dq_kernel, grid,
-                q, k, v, dout, lse, delta, dq, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks, alibi_slopes, *ints,
-                qk_scale, cap_log2, softmax_scale, dropout_p, window_left, window_right,
-                **consts, cached_launch=opts.cached_launch, site=site,
+                attn_bwd_dq_kernel, grid, *sources, *ints, *floats, window_left, window_right,
+                **consts, cached_launch=opts.cached_launch, site=site, record=Record(site, sources, floats),
             )
 
     if concurrent:

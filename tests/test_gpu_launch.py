@@ -1,6 +1,6 @@
 """The launch cache (kernels/launch.py): a cached launch runs the kernel Triton's own path would, on the same
-arguments, so results match bit for bit with the cache off; a repeated call binds nothing; the side stream of the
-concurrent backward gets its launches."""
+arguments, so results match bit for bit with the cache off; so does a replayed one; a repeated call binds nothing;
+the side stream of the concurrent backward gets its launches."""
 
 from __future__ import annotations
 
@@ -70,6 +70,27 @@ def test_cached_launch_matches_tritons_path(name, monkeypatch):
     assert not bound, f"launches bound by Triton on a repeated call: {[getattr(f, '__name__', f) for f in bound]}"
     for name_, e, g in zip(("out", "dq", "dk", "dv"), expected, got):
         assert torch.equal(e, g), f"{name_} differs between the cached launch and Triton's path"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_replayed_launch_matches_tritons_path(name, monkeypatch):
+    case = CASES[name]
+    with options.override(cached_launch=False):
+        expected = _run(case, seed=0)
+    launch_mod._replays.clear()
+    _run(case, seed=0)  # Triton's path, which caches the compiled kernels
+    _run(case, seed=0)  # the cached launches, which record themselves
+    replayed, must = [], {"attn_bwd_preprocess_kernel"}
+    for key, entry in list(launch_mod._replays.items()):
+        kernel_name = key[0].__name__
+        if entry.scratch is None:  # every recorded launch replays but one that takes scratch memory on a side stream
+            must.add(kernel_name)
+        monkeypatch.setitem(launch_mod._replays, key, entry._replace(
+            raw=lambda *a, _raw=entry.raw, _name=kernel_name: replayed.append(_name) or _raw(*a)))
+    got = _run(case, seed=0)
+    assert must <= set(replayed), f"not replayed: {must - set(replayed)}"
+    for name_, e, g in zip(("out", "dq", "dk", "dv"), expected, got):
+        assert torch.equal(e, g), f"{name_} differs between the replayed launch and Triton's path"
 
 
 def test_new_alignment_is_a_new_signature():

@@ -701,6 +701,72 @@ def test_launch_cache_key_tells_apart_what_triton_specializes_on():
     assert _signature_key("kernel", 0, (a,), {}) != _signature_key("kernel", 1, (a,), {})  # compiled per device
 
 
+def test_replay_puts_each_calls_tensors_and_floats_in_place(monkeypatch):
+    # launch.replay re-issues a recorded launch through the compiled launcher's C function: the arguments it was
+    # recorded with, each tensor, descriptor base pointer and float taken from the new call, a descriptor re-encoded
+    from types import SimpleNamespace
+
+    from flashpatch.kernels import launch as launch_mod
+
+    if launch_mod._GluonDescriptor is None or launch_mod._TMA_DTYPES is None:
+        pytest.skip("this Triton has no Gluon descriptor or TMA dtype table")
+    calls = []
+    monkeypatch.setattr(launch_mod, "_REPLAYABLE", True)
+    monkeypatch.setattr(launch_mod, "_raw_launcher", lambda launcher: lambda *args: calls.append(args))
+    monkeypatch.setattr(launch_mod, "_tma_encoder", lambda: lambda *args: ("tensor map", *args))
+    launcher = SimpleNamespace(launch_cooperative_grid=False, launch_pdl=False, global_scratch_size=0,
+                               global_scratch_align=1, profile_scratch_size=0, num_ctas=1)
+    meta = dict(swizzle=128, elem_size=2, elem_type=1, block_size=[64, 64], fp4_padded=False)
+    compiled = SimpleNamespace(run=launcher, function=7, packed_metadata="packed",
+                               metadata=SimpleNamespace(tensordesc_meta=[meta]))
+    class Kernel:  # what replay reads of a JITFunction
+        pre_run_hooks = []
+
+    kernel = Kernel()
+
+    def descriptor(t):
+        desc = object.__new__(launch_mod._GluonDescriptor)
+        desc.__dict__.update(base=t, shape=[4, 64], strides=[64, 1], block_shape=[64, 64], layout=None,
+                             padding="zero")
+        return desc
+
+    q, out, table = torch.empty(4, 64, dtype=torch.float16), torch.empty(4, 64), torch.zeros(3, dtype=torch.int32)
+    record = launch_mod.Record("site", (q, out, None), (0.5,), captured=(table,))
+    args, tail = (descriptor(q), out, None, table, 16, 0.5, (1, 2)), (True,)
+    entry = launch_mod._record(compiled, 0, (3,), args, tail, record)
+    assert entry is not None
+    assert not any(isinstance(a, torch.Tensor) and a is not table for a in entry.template)  # no call kept alive
+    monkeypatch.setitem(launch_mod._replays, (kernel, "site"), entry)
+    q2, out2 = torch.empty(4, 64, dtype=torch.float16), torch.empty(4, 64)
+    assert launch_mod.replay(kernel, "site", (q2, out2, None), (0.25,), stream=99)
+    got = calls[-1]
+    assert got[:13] == (3, 1, 1, 99, 7, False, False, None, None, "packed", None, None, None)
+    assert got[13] == ("tensor map", q2.data_ptr(), 128, 2, launch_mod._TMA_DTYPES[1], [64, 64], [4, 64], [64, 1], 0)
+    assert got[14:18] == (4, 64, 64, 1)
+    assert got[18] is out2 and got[19] is None and got[20] is table and got[21:] == (16, 0.25, (1, 2), True)
+    assert not launch_mod.replay(kernel, "another site", (q2, out2, None), (0.25,), stream=99)
+    # what a replay could not put in makes no record: a tensor that is no source, a float not named in order
+    stranger = torch.empty(4, 64)
+    assert launch_mod._record(compiled, 0, (3,), (descriptor(q), stranger, None, table, 16, 0.5, (1, 2)), tail,
+                              record) is None
+    assert launch_mod._record(compiled, 0, (3,), args, tail, record._replace(floats=(0.5,) * 2)) is None
+    assert launch_mod._record(compiled, 0, (3,), (*args[:5], 0.75, args[6]), tail, record) is None
+    assert launch_mod._record(compiled, 0, (3,), args, tail, record._replace(captured=())) is None
+    # a kernel that takes global scratch (on-device descriptors) gets it from Triton's allocator at each replay, sized
+    # for the grid, on the current stream; on another stream it keeps the launch path
+    launcher.global_scratch_size, launcher.global_scratch_align = 64, 128
+    entry = launch_mod._record(compiled, 0, (3, 2), args, tail, record)
+    assert entry.scratch == (3 * 2 * 64, 128)
+    monkeypatch.setitem(launch_mod._replays, (kernel, "site"), entry)
+    allocations = []
+    monkeypatch.setattr(launch_mod._allocation, "_allocator", SimpleNamespace(
+        get=lambda: lambda size, align, stream: allocations.append((size, align, stream)) or "scratch"))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 5, raising=False)  # CPU builds lack it
+    assert launch_mod.replay(kernel, "site", (q2, out2, None), (0.25,))
+    assert allocations == [(384, 128, 5)] and calls[-1][3] == 5 and calls[-1][7] == "scratch"
+    assert not launch_mod.replay(kernel, "site", (q2, out2, None), (0.25,), stream=99)
+
+
 def test_call_plans_made_once_per_call_signature(configs_for_calls):
     # ops._planned: a repeated call reuses its forward's and backward's decisions (config.py is not asked again); a
     # call that differs in anything those decisions or the launches' specialization read gets plans of its own

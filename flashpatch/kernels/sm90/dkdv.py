@@ -63,7 +63,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
 from flashpatch.kernels.config import head_group
-from flashpatch.kernels.launch import cdiv, launch
+from flashpatch.kernels.launch import Record, cdiv, launch, replay
 from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     TMA_REDUCE, alibi_bias, allocate_dkdv_ring, allocate_keep_ring, carry_addend, carry_shift_in_ptx, causal_mask_t,
@@ -694,18 +694,22 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     varlen: None for dense rows, or (cu_seqlens_q, cu_seqlens_k, blocks) for a varlen batch (no dropout): q, dout,
     dq_accum (total_q, H, D), k, v, dk, dv (total_k, Hk, D); lse and delta (H, total_q + ALIGN x batch) with
     sequence b's rows from common.varlen_lse_start, padded like a dense row's (ops.attn_bwd_impl); blocks
-    ops.varlen_blocks's (2, n) table of (sequence, key block) pairs in blocks of BLOCK_N keys."""
+    ops.varlen_blocks's (2, n) table of (sequence, key block) pairs in blocks of BLOCK_N keys. With a site, the
+    launch after the first is a replay (launch.replay), on `stream`."""
+    cu_seqlens_q, cu_seqlens_k, blocks = (None, None, None) if varlen is None else varlen
+    floats = (qk_scale, cap_log2, softmax_scale, dropout_p)
+    if site is not None and replay(attn_bwd_dkdv_hopper_kernel, site, (
+            q, dout, k, v, lse, delta, dq_accum, dk, dv, alibi_slopes, seed_offset, cu_seqlens_q, cu_seqlens_k,
+            blocks), floats, stream):
+        return
     if varlen is not None:
         if dropout_p > 0:
             raise ValueError(f"the Gluon dK/dV draws no dropout on varlen batches, got dropout_p={dropout_p}")
-        cu_seqlens_q, cu_seqlens_k, blocks = varlen
         # the packed rows as one batch row: (1, total, H, D), whose rows_view rows are the tokens
         q, k, v, dout, dk, dv = (t.unsqueeze(0) for t in (q, k, v, dout, dk, dv))
         if dq_accum is not None:
             dq_accum = dq_accum.unsqueeze(0)
         lse, delta = lse.unsqueeze(0), delta.unsqueeze(0)
-    else:
-        cu_seqlens_q = cu_seqlens_k = blocks = None
     if window_left >= 0 and (dropout_p > 0 or not causal):
         raise ValueError(f"the Gluon dK/dV runs a sliding window only causal and without dropout, got "
                          f"window_left={window_left}, causal={causal}, dropout_p={dropout_p}")
@@ -757,5 +761,6 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
         PRODUCER_REGS=worker_registers(dropout), FUSED_DQ=fused, DROPOUT=dropout, VARLEN=varlen is not None,
         WINDOW=window_left >= 0,
         num_warps=4, maxnreg=launch_maxnreg(dropout), cached_launch=options.cached_launch, on_stream=stream,
-        site=site,
+        site=site, record=Record(site, (q, dout, k, v, lse, delta, dq_accum, dk, dv, alibi_slopes, seed_offset,
+                                        cu_seqlens_q, cu_seqlens_k, blocks), floats),
     )

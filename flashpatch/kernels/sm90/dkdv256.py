@@ -27,7 +27,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from flashpatch.kernels.config import head_group
-from flashpatch.kernels.launch import cdiv, launch
+from flashpatch.kernels.launch import Record, cdiv, launch, replay
 from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     alibi_bias, allocate_dkdv_ring, causal_mask_t, descriptor, dkdv_producer, head_slope_log2, key_block_program,
@@ -228,13 +228,15 @@ def attn_bwd_dkdv256(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax
     varlen: None for dense rows, or (cu_seqlens_q, cu_seqlens_k, blocks) for a varlen batch, as
     dkdv.attn_bwd_dkdv's: q, dout (total_q, H, 256), k, v, dk, dv (total_k, Hk, 256), lse and delta (H, total_q +
     ALIGN x batch) padded per sequence, blocks ops.varlen_blocks's (2, n) (sequence, key block) pairs in blocks of
-    BLOCK_N keys."""
+    BLOCK_N keys. With a site, the launch after the first is a replay (launch.replay), on `stream`."""
+    cu_seqlens_q, cu_seqlens_k, blocks = (None, None, None) if varlen is None else varlen
+    floats = (qk_scale, cap_log2, softmax_scale)
+    if site is not None and replay(attn_bwd_dkdv256_kernel, site, (q, dout, k, v, lse, delta, dk, dv, alibi_slopes,
+                                                                   cu_seqlens_q, cu_seqlens_k, blocks), floats, stream):
+        return
     if varlen is not None:
-        cu_seqlens_q, cu_seqlens_k, blocks = varlen
         q, k, v, dout, dk, dv = (t.unsqueeze(0) for t in (q, k, v, dout, dk, dv))  # (1, total, H, D)
         lse, delta = lse.unsqueeze(0), delta.unsqueeze(0)
-    else:
-        cu_seqlens_q = cu_seqlens_k = blocks = None
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     if headdim != HEADDIM:
@@ -263,4 +265,6 @@ def attn_bwd_dkdv256(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax
         ALIBI=alibi_slopes is not None, SOFTCAP=cap_log2 > 0, WINDOW=window_left >= 0, VARLEN=varlen is not None,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=4, maxnreg=MAXNREG, cached_launch=options.cached_launch, on_stream=stream, site=site,
+        record=Record(site, (q, dout, k, v, lse, delta, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, blocks),
+                      floats),
     )

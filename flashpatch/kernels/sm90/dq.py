@@ -23,7 +23,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from flashpatch.kernels.config import head_group, persistent_grid, sm_count
-from flashpatch.kernels.launch import cdiv, launch
+from flashpatch.kernels.launch import Record, cdiv, launch, replay
 from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     alibi_bias, allocate_kv_ring, allocate_query_barriers, descriptor, dropout_seed_offset, head_slope_log2,
@@ -399,15 +399,19 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
     varlen: None for dense rows, or (cu_seqlens_q, cu_seqlens_k, blocks) for a varlen batch (no dropout): q, dout,
     dq (total_q, H, D), k, v (total_k, Hk, D), lse and delta (H, total_q + ALIGN x batch) padded per sequence as
     dkdv.attn_bwd_dkdv's, blocks ops.varlen_blocks's (2, n) table of (sequence, query block) pairs in blocks of
-    BLOCK_M queries. One program per head and pair."""
+    BLOCK_M queries. One program per head and pair. With a site, the launch after the first is a replay
+    (launch.replay)."""
+    cu_seqlens_q, cu_seqlens_k, blocks = (None, None, None) if varlen is None else varlen
+    floats = (qk_scale, cap_log2, softmax_scale, dropout_p)
+    if site is not None and replay(attn_bwd_dq_hopper_kernel, site, (q, dout, k, v, dq, lse, delta, seed_offset,
+                                                                     alibi_slopes, cu_seqlens_q, cu_seqlens_k, blocks),
+                                   floats):
+        return
     if varlen is not None:
         if dropout_p > 0:
             raise ValueError(f"the Gluon dQ draws no dropout on varlen batches, got dropout_p={dropout_p}")
-        cu_seqlens_q, cu_seqlens_k, blocks = varlen
         q, k, v, dout, dq = (t.unsqueeze(0) for t in (q, k, v, dout, dq))  # (1, total, H, D)
         lse, delta = lse.unsqueeze(0), delta.unsqueeze(0)
-    else:
-        cu_seqlens_q = cu_seqlens_k = blocks = None
     window = window_left >= 0
     if window and (dropout_p > 0 or not causal):
         raise ValueError(f"the Gluon dQ runs a sliding window only causal and without dropout, got "
@@ -447,4 +451,6 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
         SOFTCAP=cap_log2 > 0, PERSISTENT=persistent,
         VARLEN=varlen is not None, WINDOW=window,
         num_warps=4, maxnreg=MAXNREG, cached_launch=options.cached_launch, site=site,
+        record=Record(site, (q, dout, k, v, dq, lse, delta, seed_offset, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                             blocks), floats),
     )

@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from flashpatch.kernels.config import head_group, persistent_grid, sm_count
-from flashpatch.kernels.launch import cdiv, launch
+from flashpatch.kernels.launch import Record, cdiv, launch, replay
 from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     allocate_keep_ring, allocate_kv_ring, allocate_query_barriers, alibi_bias, carry_addend, carry_shift_in_ptx,
@@ -657,27 +657,35 @@ def attn_fwd_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, blocks, max_s
     (no persistent grid); the packed rows are the TMA views' rows, a sequence's tiles start at its cu_seqlens
     entry, and a tile past its end reads the next sequence's rows, masked like a dense row's last tile. site:
     launch.launch's, passed on. window_left >= 0: a causal sliding window; cap_log2 > 0: softcap (`attn_fwd`)."""
+    no_dropout = 0.0
+    floats = (qk_scale, cap_log2, no_dropout)
+    # a replay needs only the descriptors' base pointers: the (T, H, D) tensors stand for their (1, T, H, D) views
+    if site is not None and replay(attn_fwd_hopper_kernel, site, (q, k, v, out, lse, alibi_slopes, cu_seqlens_q,
+                                                                  cu_seqlens_k, blocks), floats):
+        return
     if window_left >= 0 and not causal:
         raise ValueError(f"the Gluon forward runs a sliding window only with the causal mask, got "
                          f"window_left={window_left} without it")
     nheads, headdim = q.shape[1], q.shape[2]
     nheads_k = k.shape[1]
     consumers = CONSUMERS_BY_HEADDIM[headdim]
-    q_desc, q_rows, q_cols = descriptor(q.unsqueeze(0), BLOCK_M if consumers == 2 else HALF_M)  # (1, T, H, D)
+    q1, k1, v1 = (t.unsqueeze(0) for t in (q, k, v))  # (1, T, H, D)
+    q_desc, q_rows, q_cols = descriptor(q1, BLOCK_M if consumers == 2 else HALF_M)
     keys = block_n(headdim)
-    k_desc, k_rows, k_cols = descriptor(k.unsqueeze(0), keys)
-    v_desc, v_rows, v_cols = descriptor(v.unsqueeze(0), keys)
+    k_desc, k_rows, k_cols = descriptor(k1, keys)
+    v_desc, v_rows, v_cols = descriptor(v1, keys)
     grid = (nheads * blocks.shape[1],)
     launch(
         attn_fwd_hopper_kernel, grid, q_desc, k_desc, v_desc, out, lse, alibi_slopes, None, None, cu_seqlens_q,
         cu_seqlens_k, blocks, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, 0, out.stride(0), out.stride(1), 0,
         lse.stride(0), alibi_batch_stride(alibi_slopes), grid[0], nheads, nheads // nheads_k, 0, max_seqlen_k,
-        qk_scale, cap_log2, 0.0, 0, max(window_left, 0),
+        qk_scale, cap_log2, no_dropout, 0, max(window_left, 0),
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=keys, STAGES=STAGES, HEAD_GROUP=1,
         ALIBI=alibi_slopes is not None, PERSISTENT=False, FOLD=fold, SOFTCAP=cap_log2 > 0,
         CONSUMERS=consumers, DROPOUT=False,
         DRAWER_WARPS=DRAWER_WARPS, CONSUMER_REGS=0, WORKER_REGS=0, VARLEN=True, WINDOW=window_left >= 0, num_warps=4,
         maxnreg=MAXNREG if consumers == 2 else MAXNREG_3, cached_launch=options.cached_launch, site=site,
+        record=Record(site, (q1, k1, v1, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, blocks), floats),
     )
 
 
@@ -693,7 +701,12 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     follow from the call's shapes and options (the launch tells apart a schedule table built or not).
     window_left >= 0: a causal sliding window, query row m seeing keys m + Sk - Sq - window_left through
     m + Sk - Sq (common.window_steps), no dropout. cap_log2 > 0: softcap, the scores
-    cap_log2 * tanh(qk * qk_scale) with qk_scale = softmax_scale / softcap (ops._scales; `_softmax_update`)."""
+    cap_log2 * tanh(qk * qk_scale) with qk_scale = softmax_scale / softcap (ops._scales; `_softmax_update`).
+    With a site, the launch after the first is a replay (launch.replay): the site stands for everything but the
+    tensors and the floats."""
+    sources, floats = (q, k, v, out, lse, alibi_slopes, seed_offset), (qk_scale, cap_log2, dropout_p)
+    if site is not None and replay(attn_fwd_hopper_kernel, site, sources, floats):
+        return
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     dropout = dropout_p > 0
@@ -751,4 +764,5 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
         WORKER_REGS=worker_regs, VARLEN=False, WINDOW=window, num_warps=4, maxnreg=maxnreg,
         cached_launch=options.cached_launch,
         site=None if site is None else (site, schedule is None),
+        record=Record(site, sources, floats, () if schedule is None else (schedule,)),
     )
