@@ -160,7 +160,8 @@ class _Replay(NamedTuple):
     floats: tuple  # (position in template, index in floats)
 
 
-_replays: dict[tuple, _Replay] = {}  # (kernel, Record.site) -> the launch to re-issue
+# (kernel, Record.site) -> the launch to re-issue, or None where it could not be recorded (never tried again)
+_replays: dict[tuple, Optional[_Replay]] = {}
 
 
 def replay(kernel, site: Any, sources: tuple, floats: tuple = (), stream: Optional[int] = None) -> bool:
@@ -280,8 +281,8 @@ def launch(kernel, grid: tuple, *args, cached_launch: bool = True, on_stream: Op
     stream handle) if given. kwargs: the kernel's constexpr parameters by name and the launch options (num_warps,
     maxnreg, ...). cached_launch: False takes Triton's own path every time. site: None, or a hashable value that
     stands for the argument key (the module's docstring): equal sites of one kernel must mean equal keys. record:
-    a launch that reuses a cached kernel records itself for `replay` at record.site (not while
-    verify_launch_sites is on, whose checks replays would skip)."""
+    the first launch at record.site that reuses a cached kernel records itself for `replay` there, or that it
+    cannot be replayed (not while verify_launch_sites is on, whose checks replays would skip)."""
     key = None
     if (cached_launch and isinstance(kernel, JITFunction) and not kernel.pre_run_hooks
             and _no_hook(knobs.runtime.launch_enter_hook) and _no_hook(knobs.runtime.launch_exit_hook)):
@@ -307,12 +308,10 @@ def launch(kernel, grid: tuple, *args, cached_launch: bool = True, on_stream: Op
         if made != signature:
             raise AssertionError(f"launch site {site!r} of {getattr(kernel, '__name__', kernel)} was cached with the "
                                  f"argument key {signature!r} and now has {made!r}")
-    if record is not None and site is not None and not verify:
-        made = _record(compiled, device, grid, args, tail, record)
-        if made is not None:
-            if len(_replays) >= _MAX_ENTRIES:
-                _replays.clear()
-            _replays[(kernel, record.site)] = made
+    if record is not None and site is not None and not verify and (kernel, record.site) not in _replays:
+        if len(_replays) >= _MAX_ENTRIES:
+            _replays.clear()
+        _replays[(kernel, record.site)] = _record(compiled, device, grid, args, tail, record)
     if scratch and on_stream is not None:
         # the launcher allocates the scratch on the current stream, which is not the one the kernel runs on: the
         # slow path makes `on_stream` current for the launch, so the allocator orders the memory's reuse after it
