@@ -767,6 +767,151 @@ def test_replay_puts_each_calls_tensors_and_floats_in_place(monkeypatch):
     assert not launch_mod.replay(kernel, "site", (q2, out2, None), (0.25,), stream=99)
 
 
+def _replay_wiring_calls():
+    """(name, module, make) of each Gluon host function and form whose launches replay: make() draws fresh tensors
+    and returns run(scale), which calls the host function on them with `scale` as its qk_scale, at site "site"."""
+    from flashpatch.kernels.sm90 import dkdv as sm90_dkdv, dkdv256 as sm90_dkdv256, dq as sm90_dq, fwd as sm90_fwd
+
+    B, S, H, Hk = 2, 192, 4, 2
+    opts = kernel_options.updated(kernel_options.DEFAULT, persistent_dq=False)
+
+    def dense(d):  # q, k, v, dout (B, S, H, D), lse and delta padded to 256 rows, as ops.attn_bwd_impl makes them
+        q, dout = (torch.randn(B, S, H, d, dtype=torch.bfloat16) for _ in "qo")
+        k, v = (torch.randn(B, S, Hk, d, dtype=torch.bfloat16) for _ in "kv")
+        return q, k, v, dout, torch.zeros(B, H, 256), torch.zeros(B, H, 256)
+
+    def varlen(d):  # two sequences of 100 and 200 tokens
+        cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+        q, dout = (torch.randn(300, H, d, dtype=torch.bfloat16) for _ in "qo")
+        k, v = (torch.randn(300, Hk, d, dtype=torch.bfloat16) for _ in "kv")
+        table = (cu, cu.clone(), torch.zeros(2, 7, dtype=torch.int32))
+        return q, k, v, dout, torch.zeros(H, 640), torch.zeros(H, 640), table
+
+    def fwd_dense(persistent, dropout_p=0.0):
+        q, k, v, _, lse, _ = dense(128)
+        out, seed = torch.empty_like(q), torch.zeros(2, dtype=torch.int64) if dropout_p else None
+        options = kernel_options.updated(opts, persistent_fwd=persistent)
+        return lambda scale: sm90_fwd.attn_fwd(q, k, v, out, lse[..., :S], scale, True, seed_offset=seed,
+                                               dropout_p=dropout_p, site="site", options=options)
+
+    def fwd_varlen():
+        q, k, v, _, lse, _, (cu_q, cu_k, blocks) = varlen(128)
+        out, slopes = torch.empty_like(q), torch.rand(H)
+        return lambda scale: sm90_fwd.attn_fwd_varlen(q, k, v, out, lse[:, :300], cu_q, cu_k, blocks, 200, scale,
+                                                      True, alibi_slopes=slopes, options=opts, site="site",
+                                                      cap_log2=2.0)
+
+    def dq_dropout():
+        q, k, v, dout, lse, delta = dense(128)
+        dq, seed = torch.empty_like(q), torch.zeros(2, dtype=torch.int64)
+        return lambda scale: sm90_dq.attn_bwd_dq(q, k, v, dout, lse, delta, dq, scale, 0.1, True, options=opts,
+                                                 seed_offset=seed, dropout_p=0.1, site="site")
+
+    def dq_varlen():
+        q, k, v, dout, lse, delta, table = varlen(128)
+        dq = torch.empty_like(q)
+        return lambda scale: sm90_dq.attn_bwd_dq(q, k, v, dout, lse, delta, dq, scale, 0.1, True, options=opts,
+                                                 varlen=table, site="site")
+
+    def dkdv_fused_dq():
+        q, k, v, dout, lse, delta = dense(128)
+        dk, dv, dq_accum = torch.empty_like(k), torch.empty_like(v), torch.zeros(q.shape)
+        return lambda scale: sm90_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, scale, 0.1, False,
+                                                     dq_accum=dq_accum, options=opts, site="site", stream=7)
+
+    def dkdv_varlen():
+        q, k, v, dout, lse, delta, table = varlen(64)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        return lambda scale: sm90_dkdv.attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, scale, 0.1, True,
+                                                     options=opts, varlen=table, site="site", stream=7)
+
+    def dkdv256():
+        q, k, v, dout, lse, delta = dense(256)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        return lambda scale: sm90_dkdv256.attn_bwd_dkdv256(q, k, v, dout, lse, delta, dk, dv, scale, 0.1, True,
+                                                           options=opts, site="site", window_left=64, cap_log2=3.0)
+
+    return [
+        ("fwd", sm90_fwd, lambda: fwd_dense(False)),
+        ("fwd persistent", sm90_fwd, lambda: fwd_dense(True)),
+        ("fwd dropout", sm90_fwd, lambda: fwd_dense(False, 0.1)),
+        ("fwd varlen", sm90_fwd, fwd_varlen),
+        ("dq dropout", sm90_dq, dq_dropout),
+        ("dq varlen", sm90_dq, dq_varlen),
+        ("dkdv fused dq", sm90_dkdv, dkdv_fused_dq),
+        ("dkdv varlen", sm90_dkdv, dkdv_varlen),
+        ("dkdv256 window softcap", sm90_dkdv256, dkdv256),
+    ]
+
+
+@pytest.mark.parametrize("index", range(9), ids=lambda i: ["fwd", "fwd_persistent", "fwd_dropout", "fwd_varlen",
+                                                          "dq_dropout", "dq_varlen", "dkdv_fused_dq", "dkdv_varlen",
+                                                          "dkdv256"][i])
+def test_gluon_replays_launch_what_the_host_function_builds(index, monkeypatch):
+    # each sm90 host function names its launch's tensors and floats twice: to replay() at its top and in the Record
+    # its launch makes. A replay recorded from one call, given another call's tensors and floats, must pass the
+    # launcher what that call's own launch path would: each tensor (by address), each descriptor re-encoded from its
+    # base, each float
+    from types import SimpleNamespace
+
+    from flashpatch.kernels import launch as launch_mod
+
+    if launch_mod._GluonDescriptor is None:
+        pytest.skip("this Triton has no Gluon descriptor")
+    name, module, make = _replay_wiring_calls()[index]
+    kernel_name = {"fwd": "attn_fwd_hopper_kernel", "dq": "attn_bwd_dq_hopper_kernel",
+                   "dkdv": "attn_bwd_dkdv_hopper_kernel", "dkdv256": "attn_bwd_dkdv256_kernel"}[name.split()[0]]
+
+    class Kernel:  # what replay reads of the JIT function (whose hash the interpreter cannot compute)
+        pre_run_hooks = []
+
+    monkeypatch.setattr(module, kernel_name, Kernel())
+    monkeypatch.setattr(module, "sm_count", lambda device: 8, raising=False)
+    monkeypatch.setattr(launch_mod, "_REPLAYABLE", True)
+    monkeypatch.setattr(launch_mod, "_tma_encoder", lambda: lambda ptr, *meta: ("tensor map", ptr, *meta))
+    launched, raw_calls = [], []
+    monkeypatch.setattr(module, "launch", lambda kernel, grid, *args, record=None, on_stream=None, **kw:
+                        launched.append((kernel, grid, args, record, on_stream)))
+    monkeypatch.setattr(launch_mod, "_raw_launcher", lambda launcher: lambda *args: raw_calls.append(args))
+
+    def meta(desc):  # stand-in descriptor metadata: the same for the record and the expected expansion
+        return dict(swizzle=len(desc.block_shape), elem_size=desc.base.element_size(), elem_type=1,
+                    block_size=list(desc.block_shape), fp4_padded=False)
+
+    def expanded(args):  # the launcher's kernel arguments for a launch path's args (Triton 3.6's expansion)
+        out = []
+        for a in args:
+            if type(a) is launch_mod._GluonDescriptor:
+                m = meta(a)
+                out += [("tensor map", a.base.data_ptr(), m["swizzle"], m["elem_size"], launch_mod._TMA_DTYPES[1],
+                         m["block_size"], list(a.shape), list(a.strides), 0), *a.shape, *a.strides]
+            else:
+                out.append(a.data_ptr() if isinstance(a, torch.Tensor) else a)
+        return out
+
+    make()(0.5)  # one call's launch path, whose launch is recorded below
+    kernel, grid, args, record, _ = launched[-1]
+    assert record is not None and record.site == "site", f"{name}: its launch makes no Record at the site"
+    descriptors = [a for a in args if type(a) is launch_mod._GluonDescriptor]
+    launcher = SimpleNamespace(launch_cooperative_grid=False, launch_pdl=False, global_scratch_size=0,
+                               profile_scratch_size=0, num_ctas=1)
+    compiled = SimpleNamespace(run=launcher, function=1, packed_metadata=None,
+                               metadata=SimpleNamespace(tensordesc_meta=[meta(d) for d in descriptors]))
+    entry = launch_mod._record(compiled, 0, grid, args, (), record)
+    assert entry is not None, f"{name}: a launch argument is neither a named source, a float in order nor fixed"
+    monkeypatch.setitem(launch_mod._replays, (kernel, "site"), entry)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    run = make()  # another call of the site: a replay
+    launches = len(launched)
+    run(0.25)
+    assert len(launched) == launches and len(raw_calls) == 1, f"{name}: the second call did not replay"
+    replayed = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in raw_calls[0][13:]]
+    del launch_mod._replays[(kernel, "site")]
+    run(0.25)  # the same call through its launch path
+    assert replayed == expanded(launched[-1][2]), f"{name}: the replay launches other arguments"
+    assert 0.25 in replayed
+
+
 def test_call_plans_made_once_per_call_signature(configs_for_calls):
     # ops._planned: a repeated call reuses its forward's and backward's decisions (config.py is not asked again); a
     # call that differs in anything those decisions or the launches' specialization read gets plans of its own
