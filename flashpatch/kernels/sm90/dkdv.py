@@ -694,8 +694,8 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     varlen: None for dense rows, or (cu_seqlens_q, cu_seqlens_k, blocks) for a varlen batch (no dropout): q, dout,
     dq_accum (total_q, H, D), k, v, dk, dv (total_k, Hk, D); lse and delta (H, total_q + ALIGN x batch) with
     sequence b's rows from common.varlen_lse_start, padded like a dense row's (ops.attn_bwd_impl); blocks
-    ops.varlen_blocks's (2, n) table of (sequence, key block) pairs in blocks of BLOCK_N keys. With a site, the
-    launch after the first is a replay (launch.replay), on `stream`."""
+    ops.varlen_blocks's (2, n) table of (sequence, key block) pairs in blocks of BLOCK_N keys. With a site whose
+    launch is recorded (launch.Record, from its second launch), the call is a replay (launch.replay) on `stream`."""
     cu_seqlens_q, cu_seqlens_k, blocks = (None, None, None) if varlen is None else varlen
     floats = (qk_scale, cap_log2, softmax_scale, dropout_p)
     if site is not None and replay(attn_bwd_dkdv_hopper_kernel, site, (

@@ -228,7 +228,8 @@ def attn_bwd_dkdv256(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax
     varlen: None for dense rows, or (cu_seqlens_q, cu_seqlens_k, blocks) for a varlen batch, as
     dkdv.attn_bwd_dkdv's: q, dout (total_q, H, 256), k, v, dk, dv (total_k, Hk, 256), lse and delta (H, total_q +
     ALIGN x batch) padded per sequence, blocks ops.varlen_blocks's (2, n) (sequence, key block) pairs in blocks of
-    BLOCK_N keys. With a site, the launch after the first is a replay (launch.replay), on `stream`."""
+    BLOCK_N keys. With a site whose launch is recorded (launch.Record, from its second launch), the call is a replay
+    (launch.replay) on `stream`."""
     cu_seqlens_q, cu_seqlens_k, blocks = (None, None, None) if varlen is None else varlen
     floats = (qk_scale, cap_log2, softmax_scale)
     if site is not None and replay(attn_bwd_dkdv256_kernel, site, (q, dout, k, v, lse, delta, dk, dv, alibi_slopes,

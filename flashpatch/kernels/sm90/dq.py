@@ -399,8 +399,8 @@ def attn_bwd_dq(q, k, v, dout, lse, delta, dq, qk_scale: float, softmax_scale: f
     varlen: None for dense rows, or (cu_seqlens_q, cu_seqlens_k, blocks) for a varlen batch (no dropout): q, dout,
     dq (total_q, H, D), k, v (total_k, Hk, D), lse and delta (H, total_q + ALIGN x batch) padded per sequence as
     dkdv.attn_bwd_dkdv's, blocks ops.varlen_blocks's (2, n) table of (sequence, query block) pairs in blocks of
-    BLOCK_M queries. One program per head and pair. With a site, the launch after the first is a replay
-    (launch.replay)."""
+    BLOCK_M queries. One program per head and pair. With a site whose launch is recorded (launch.Record, from
+    its second launch), the call is a replay (launch.replay)."""
     cu_seqlens_q, cu_seqlens_k, blocks = (None, None, None) if varlen is None else varlen
     floats = (qk_scale, cap_log2, softmax_scale, dropout_p)
     if site is not None and replay(attn_bwd_dq_hopper_kernel, site, (q, dout, k, v, dq, lse, delta, seed_offset,

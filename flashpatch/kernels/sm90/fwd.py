@@ -702,8 +702,8 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     window_left >= 0: a causal sliding window, query row m seeing keys m + Sk - Sq - window_left through
     m + Sk - Sq (common.window_steps), no dropout. cap_log2 > 0: softcap, the scores
     cap_log2 * tanh(qk * qk_scale) with qk_scale = softmax_scale / softcap (ops._scales; `_softmax_update`).
-    With a site, the launch after the first is a replay (launch.replay): the site stands for everything but the
-    tensors and the floats."""
+    With a site whose launch is recorded (launch.Record, from its second launch), the call is a replay
+    (launch.replay): the site stands for everything but the tensors and the floats."""
     sources, floats = (q, k, v, out, lse, alibi_slopes, seed_offset), (qk_scale, cap_log2, dropout_p)
     if site is not None and replay(attn_fwd_hopper_kernel, site, sources, floats):
         return
