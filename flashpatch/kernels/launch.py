@@ -19,11 +19,11 @@ The slow path (Triton's own) runs where a launch hook is set (a profiler), where
 argument has a type the key does not know, and under the Triton interpreter. options.KernelOptions.cached_launch
 turns the cache off.
 
-Replays go one step further for a caller whose whole launch follows from its site: the first launch at a site records
-the argument list the compiled launcher is called with, tensor descriptors expanded, and which of its entries come
-from the call's tensors and floats (`Record`); `replay` then re-issues it with another call's tensors and floats put
-in, so that the caller builds no descriptors, grids or keys and Triton's launcher wrapper does not run. A descriptor
-is re-encoded from its new base pointer (the rest of it follows from the site).
+Replays go one step further for a caller whose whole launch follows from its site: the first launch at a site that
+reuses a cached kernel records the argument list the compiled launcher is called with, tensor descriptors expanded,
+and which of its entries come from the call's tensors and floats (`Record`); `replay` then re-issues it with another
+call's tensors and floats put in, so that the caller builds no descriptors, grids or keys and Triton's launcher
+wrapper does not run. A descriptor is re-encoded from its new base pointer (the rest of it follows from the site).
 """
 
 from __future__ import annotations
@@ -172,6 +172,10 @@ def replay(kernel, site: Any, sources: tuple, floats: tuple = (), stream: Option
     if entry is None or kernel.pre_run_hooks or not (_no_hook(knobs.runtime.launch_enter_hook)
                                                      and _no_hook(knobs.runtime.launch_exit_hook)):
         return False
+    if entry.scratch is not None:  # as Triton's launcher takes it: from Triton's allocator, on the current stream
+        allocator = _allocation._allocator.get()
+        if stream is not None or isinstance(allocator, _allocation.NullAllocator):
+            return False  # memory the current stream could reuse while another stream's kernel runs; or none set
     args = entry.template.copy()
     for position, index, fill in entry.tensors:
         source = sources[index]
@@ -179,10 +183,7 @@ def replay(kernel, site: Any, sources: tuple, floats: tuple = (), stream: Option
     for position, index in entry.floats:
         args[position] = floats[index]
     args[3] = torch._C._cuda_getCurrentRawStream(entry.device) if stream is None else stream
-    if entry.scratch is not None:  # as Triton's launcher takes it: from Triton's allocator, on the current stream
-        allocator = _allocation._allocator.get()
-        if stream is not None or isinstance(allocator, _allocation.NullAllocator):
-            return False  # memory the current stream could reuse while another stream's kernel runs; or none set
+    if entry.scratch is not None:
         args[7] = allocator(*entry.scratch, args[3])
     entry.raw(*args)
     return True
