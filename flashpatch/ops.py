@@ -415,8 +415,8 @@ def attn_fwd_impl(
     if plan.gluon:  # the Gluon kernel where it applies
         qk_scale, cap_log2 = _scales(softmax_scale, softcap)
         if varlen:
-            blocks = varlen_blocks(cu_seqlens_q, q.shape[0], sm90_fwd.varlen_block_rows(headdim), heaviest_first=True,
-                                   longest_first=opts.varlen_longest_first)
+            blocks = varlen_blocks(cu_seqlens_q, q.shape[0], sm90_fwd.varlen_block_rows(headdim, opts),
+                                   heaviest_first=True, longest_first=opts.varlen_longest_first)
             sm90_fwd.attn_fwd_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, blocks, max_seqlen_k, qk_scale,
                                      causal=window_right == 0, alibi_slopes=alibi_slopes, fold=cfgs.fold_scale,
                                      options=opts, site=plan.site, window_left=window_left, cap_log2=cap_log2)

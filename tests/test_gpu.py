@@ -777,6 +777,107 @@ def test_gluon_varlen_window_matches_float64(case, dtype, dq_form, monkeypatch):
                             **kwargs)
 
 
+def _mixed_lengths(count, longest, seed):
+    """`count` sequence lengths of 1..longest drawn from `seed`, a few of them 0."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, longest + 1, (count,), generator=generator)
+    lengths[::17] = 0
+    return lengths.tolist()
+
+
+@needs_gluon
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", [
+    dict(lengths_q=[1, 17, 113, 1000, 0, 300, 4095], heads=(8, 2)),
+    dict(lengths_q=[1, 17, 113, 1023, 0, 300], heads=(4, 4), causal=False),
+    # Sq != Sk per sequence, bottom-right causal: the 40 first queries of the last sequence see no key
+    dict(lengths_q=[17, 300, 105, 2000], lengths_k=[113, 200, 64, 1999], heads=(4, 1)),
+    dict(lengths_q=[700, 3, 1500, 129], heads=(6, 2), window=129, alibi=True, softcap=10.0),
+    dict(lengths_q=[3, 5], heads=(2, 1)),  # fewer items than programs: most programs draw no work
+    dict(lengths_q=_mixed_lengths(97, 700, 0), heads=(16, 4)),  # ~1500 items over the SMs
+    # head dim 64: per block three consumers (192 rows a program), persistent two (128 rows an item)
+    dict(lengths_q=[700, 3, 1500, 129], heads=(6, 2), headdim=64),
+    dict(lengths_q=[17, 300, 105, 2000], lengths_k=[113, 200, 64, 1999], heads=(4, 1), headdim=64, alibi=True),
+], ids=lambda c: (f"{len(c['lengths_q'])}seqs-{'full' if c.get('causal') is False else 'causal'}-h{c['heads'][0]}:"
+                  f"{c['heads'][1]}-d{c.get('headdim', 128)}" + ("-sq_ne_sk" if "lengths_k" in c else "")
+                  + ("-window-alibi-softcap" if c.get("window") else "")))
+def test_gluon_persistent_varlen_forward_bit_identical(case, dtype, monkeypatch):
+    # The persistent varlen forward (items taken by tickets, sm90_fwd.varlen_persistent) runs the per-block
+    # program's arithmetic for each row in its order (the pipelined loop), so outputs and LSE equal the per-block
+    # grid's bit for bit; the float64 varlen tests run the default form of each head dim. After each launch the
+    # stream's ticket counter is back at zero (the next launch's tickets start there), and a second stream takes a
+    # counter of its own.
+    lengths_q = case["lengths_q"]
+    lengths_k = case.get("lengths_k", lengths_q)
+    nheads, nheads_k = case["heads"]
+    q, k, v, cu_q, cu_k = (t.detach() for t in _varlen_qkv(lengths_q, lengths_k, nheads, nheads_k,
+                                                            case.get("headdim", 128), dtype,
+                                                            q_scale=4.0 if case.get("softcap") else 1.0))
+    kwargs = dict(causal=case.get("causal", True), return_attn_probs=True)
+    if case.get("window"):
+        kwargs["window_size"] = (case["window"], 0)
+    if case.get("alibi"):
+        kwargs["alibi_slopes"] = _geometric_slopes(len(lengths_q), nheads)
+    if case.get("softcap"):
+        kwargs["softcap"] = case["softcap"]
+    forms = []  # the PERSISTENT constexpr of each forward launch
+
+    def record(*args, _launch=sm90_fwd.launch, **launch_kwargs):
+        forms.append(launch_kwargs["PERSISTENT"])
+        return _launch(*args, **launch_kwargs)
+
+    monkeypatch.setattr(sm90_fwd, "launch", record)
+
+    def run(persistent, cached_launch=False):
+        with kernel_options.override(gluon_fwd=True, persistent_fwd=persistent, cached_launch=cached_launch):
+            return flashpatch.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                     **kwargs)[:2]
+
+    out0, lse0 = run(False)
+    results = [run(True), run(True)]
+    assert forms == [False, True, True], forms
+    results += [run(True, cached_launch=True) for _ in range(3)]  # from the second, replays (launch.replay)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        results.append(run(True, cached_launch=True))  # the replay with the side stream's counter
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert all(forms[1:]), forms
+    counters = [c for (device, _), c in sm90_fwd._COUNTERS.items() if device == q.device]
+    assert len(counters) >= 2 and all(c.tolist() == [0, 0] for c in counters)
+    assert not torch.isnan(out0).any() and out0.abs().sum() > 0
+    for out1, lse1 in results:
+        assert torch.equal(out0, out1) and torch.equal(lse0, lse1)
+
+
+@needs_gluon
+def test_gluon_varlen_forward_in_a_cuda_graph_before_its_counter_exists():
+    # A persistent varlen forward first met on a stream inside a CUDA graph capture has no ticket counter there
+    # (sm90_fwd.tile_counter makes none while capturing): it runs the per-block grid, whose outputs are the persistent
+    # one's bit for bit
+    lengths = [1, 17, 113, 1000, 0, 300]
+    q, k, v, cu, _ = (t.detach() for t in _varlen_qkv(lengths, lengths, 8, 2, 128, torch.bfloat16))
+
+    def call():
+        return flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+
+    with kernel_options.override(gluon_fwd=True, persistent_fwd=False):
+        call()  # compiles the per-block form outside the capture
+    with kernel_options.override(gluon_fwd=True, persistent_fwd=True):
+        expected = call()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            out = call()
+            capture_stream = torch.cuda.current_stream().cuda_stream
+        assert (q.device, capture_stream) not in sm90_fwd._COUNTERS  # nothing allocated inside the capture
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+
+
 # Softcap on the Gluon kernels: (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, extra
 # flash_attn_func arguments). q is scaled by 4 so that many scores reach the cap's bend.
 GLUON_SOFTCAP_CASES = [

@@ -794,11 +794,12 @@ def _replay_wiring_calls():
         return lambda scale: sm90_fwd.attn_fwd(q, k, v, out, lse[..., :S], scale, True, seed_offset=seed,
                                                dropout_p=dropout_p, site="site", options=options)
 
-    def fwd_varlen():
+    def fwd_varlen(persistent):
         q, k, v, _, lse, _, (cu_q, cu_k, blocks) = varlen(128)
         out, slopes = torch.empty_like(q), torch.rand(H)
+        options = kernel_options.updated(opts, persistent_fwd=persistent)
         return lambda scale: sm90_fwd.attn_fwd_varlen(q, k, v, out, lse[:, :300], cu_q, cu_k, blocks, 200, scale,
-                                                      True, alibi_slopes=slopes, options=opts, site="site",
+                                                      True, alibi_slopes=slopes, options=options, site="site",
                                                       cap_log2=2.0)
 
     def dq_dropout():
@@ -835,7 +836,8 @@ def _replay_wiring_calls():
         ("fwd", sm90_fwd, lambda: fwd_dense(False)),
         ("fwd persistent", sm90_fwd, lambda: fwd_dense(True)),
         ("fwd dropout", sm90_fwd, lambda: fwd_dense(False, 0.1)),
-        ("fwd varlen", sm90_fwd, fwd_varlen),
+        ("fwd varlen", sm90_fwd, lambda: fwd_varlen(False)),
+        ("fwd varlen persistent", sm90_fwd, lambda: fwd_varlen(True)),
         ("dq dropout", sm90_dq, dq_dropout),
         ("dq varlen", sm90_dq, dq_varlen),
         ("dkdv fused dq", sm90_dkdv, dkdv_fused_dq),
@@ -844,9 +846,9 @@ def _replay_wiring_calls():
     ]
 
 
-@pytest.mark.parametrize("index", range(9), ids=lambda i: ["fwd", "fwd_persistent", "fwd_dropout", "fwd_varlen",
-                                                          "dq_dropout", "dq_varlen", "dkdv_fused_dq", "dkdv_varlen",
-                                                          "dkdv256"][i])
+@pytest.mark.parametrize("index", range(10), ids=lambda i: [
+    "fwd", "fwd_persistent", "fwd_dropout", "fwd_varlen", "fwd_varlen_persistent", "dq_dropout", "dq_varlen",
+    "dkdv_fused_dq", "dkdv_varlen", "dkdv256"][i])
 def test_gluon_replays_launch_what_the_host_function_builds(index, monkeypatch):
     # each sm90 host function names its launch's tensors and floats twice: to replay() at its top and in the Record
     # its launch makes. A replay recorded from one call, given another call's tensors and floats, must pass the
@@ -889,9 +891,12 @@ def test_gluon_replays_launch_what_the_host_function_builds(index, monkeypatch):
                 out.append(a.data_ptr() if isinstance(a, torch.Tensor) else a)
         return out
 
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
     make()(0.5)  # one call's launch path, whose launch is recorded below
     kernel, grid, args, record, _ = launched[-1]
-    assert record is not None and record.site == "site", f"{name}: its launch makes no Record at the site"
+    # the varlen forward's site also tells its two grids apart
+    site = ("site", "persistent" not in name) if name.startswith("fwd varlen") else "site"
+    assert record is not None and record.site == site, f"{name}: its launch makes no Record at the site"
     descriptors = [a for a in args if type(a) is launch_mod._GluonDescriptor]
     launcher = SimpleNamespace(launch_cooperative_grid=False, launch_pdl=False, global_scratch_size=0,
                                profile_scratch_size=0, num_ctas=1)
@@ -899,14 +904,13 @@ def test_gluon_replays_launch_what_the_host_function_builds(index, monkeypatch):
                                metadata=SimpleNamespace(tensordesc_meta=[meta(d) for d in descriptors]))
     entry = launch_mod._record(compiled, 0, grid, args, (), record)
     assert entry is not None, f"{name}: a launch argument is neither a named source, a float in order nor fixed"
-    monkeypatch.setitem(launch_mod._replays, (kernel, "site"), entry)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    monkeypatch.setitem(launch_mod._replays, (kernel, site), entry)
     run = make()  # another call of the site: a replay
     launches = len(launched)
     run(0.25)
     assert len(launched) == launches and len(raw_calls) == 1, f"{name}: the second call did not replay"
     replayed = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in raw_calls[0][13:]]
-    del launch_mod._replays[(kernel, "site")]
+    del launch_mod._replays[(kernel, site)]
     run(0.25)  # the same call through its launch path
     assert replayed == expanded(launched[-1][2]), f"{name}: the replay launches other arguments"
     assert 0.25 in replayed

@@ -105,6 +105,8 @@ def main():
         consts.update(SOFTCAP=args.softcap)
     if not args.varlen:
         consts.update(CU_SEQLENS_Q=None, CU_SEQLENS_K=None, VARLEN_BLOCKS=None)
+    if not (args.varlen and args.persistent):
+        consts.update(TILE_COUNTER=None)  # the launcher's None but for a persistent varlen forward's counter
     flags = dict(item.split("=") for item in args.set)
     consts.update({name: bool(int(flags.pop(name, consts.get(name, 0)))) for name in fn.arg_names
                    if name.startswith(("REG_", "FOLD", "LSE_FIRST"))})
@@ -135,7 +137,7 @@ def main():
             sig[name] = "fp32"
         elif name == "SEED_OFFSET":
             sig[name] = "*i64"
-        elif name in ("SCHEDULE", "CU_SEQLENS_Q", "CU_SEQLENS_K", "VARLEN_BLOCKS"):
+        elif name in ("SCHEDULE", "CU_SEQLENS_Q", "CU_SEQLENS_K", "VARLEN_BLOCKS", "TILE_COUNTER"):
             sig[name] = "*i32"
         else:
             sig[name] = "i32"

@@ -221,17 +221,19 @@ def causal_head_group(num_blocks: int, num_sms: int) -> int:
     return 1 << max(0, round(math.log2(num_sms / num_blocks)))
 
 
-def persistent_grid(kernel: str, num_blocks: int, headdim: int, beside_dkdv: bool = False) -> bool:
+def persistent_grid(kernel: str, num_blocks: int, headdim: int, beside_dkdv: bool = False,
+                    varlen: bool = False) -> bool:
     """Whether the Gluon `kernel` ("fwd" or "dq") runs as a persistent grid (one program per SM taking query blocks
     in turn, sm90.common.persistent_tile) for rows of num_blocks query blocks, rather than one program per block
     (docs/tuning.md, "sm_90 Gluon kernels"). The d128 forward on dense rows (sliding windows included) gains or ties
     everywhere, since each block's Q load and first K/V blocks run under the previous block's steps; the d64 forward
-    loses a little; varlen batches are not asked (they run per block). dQ gains on short rows
+    loses a little. On a `varlen` batch (sm90.fwd.varlen_persistent: its blocks taken by tickets, num_blocks
+    unused) the forward gains at head dims 64 and 128 alike, its blocks being short. dQ gains on short rows
     only: the closed-form deal cannot keep `head_group`'s head groups, whose L2 sharing dQ needs on longer ones. A
     dQ that runs beside dK/dV (KernelConfigs.concurrent_dq) starts its programs as dK/dV's finish, where per-block
     programs fill in and a persistent program's fixed share of the blocks would end late."""
     if kernel == "fwd":
-        return headdim == 128
+        return headdim in (64, 128) if varlen else headdim == 128
     if kernel == "dq":
         return num_blocks <= 8 and not beside_dkdv
     raise ValueError(f"persistent_grid: kernel must be 'fwd' or 'dq', got {kernel!r}")

@@ -1,7 +1,8 @@
 """What the Gluon kernels of fwd.py, dkdv.py, dkdv256.py and dq.py share: which calls they may take (`sm90_dense_ok`),
 the 2-D TMA views of (B, S, H, D) tensors they load from, and the Gluon functions of more than one kernel (a program's
-query block, the K/V ring and its producer loop, the persistent grid's tiles, the Philox draw of the keep bits, the
-drawers' rings, the dK/dV kernels' producer, step order and masks). Imported only where Gluon is (sm90.AVAILABLE)."""
+query block, the K/V ring and its producer loop, the persistent grid's tiles and tickets, the Philox draw of the keep
+bits, the drawers' rings, the dK/dV kernels' producer, step order and masks). Imported only where Gluon is
+(sm90.AVAILABLE)."""
 
 from __future__ import annotations
 
@@ -538,6 +539,87 @@ def producer_persistent(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs
                       off_b * v_rows[0] + off_hk * v_rows[1] + key_row, off_hk * v_cols, n_steps, ring, BLOCK_N, STAGES)
             ring += n_steps
             done += 1
+
+
+# A dynamically scheduled persistent grid (the varlen forward's): a program's producer takes work items by tickets
+# from a counter, and hands each item's fields to its consumers through a shared-memory slot per query buffer, which
+# the query buffer's `ready` mbarrier publishes (the producer writes the slot before its expect-arrival). An item's
+# fields: more work (1 or 0), head, sequence, the block's first query row in the sequence, the sequence's first query
+# and key rows in the packed tensors, its query length and its key length.
+ITEM_FIELDS = gl.constexpr(8)
+
+
+@gluon.jit
+def take_ticket(COUNTER):
+    """The next work item of a dynamically scheduled grid: COUNTER[0] before this program's increment (a one-warp
+    partition's call; lane 0 takes it, a shuffle gives it to the warp)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    lane = gl.arange(0, 32, layout=layout)
+    ticket = gl.atomic_add(COUNTER + lane * 0, gl.full([32], 1, gl.int32, layout), mask=lane == 0)
+    return gl.max(gl.where(lane == 0, ticket, 0), axis=0)
+
+
+@gluon.jit
+def release_tickets(COUNTER):
+    """A producer's last act once it drew a ticket past the work: COUNTER[1] counts the programs done drawing, and the
+    last of them sets both counters back to 0 for the next launch on the stream (every program has drawn its last
+    ticket by then)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    lane = gl.arange(0, 32, layout=layout)
+    finished = gl.atomic_add(COUNTER + 1 + lane * 0, gl.full([32], 1, gl.int32, layout), mask=lane == 0)
+    last = gl.max(gl.where(lane == 0, finished, 0), axis=0) == gl.num_programs(0) - 1
+    gl.store(COUNTER + lane, gl.zeros([32], gl.int32, layout), mask=(lane < 2) & last)
+
+
+@gluon.jit
+def varlen_item(ticket, num_items, nheads, VARLEN_BLOCKS, CU_SEQLENS_Q, CU_SEQLENS_K, BLOCK_M: gl.constexpr):
+    """Ticket `ticket` of num_items = nheads x the (sequence, block) pairs of VARLEN_BLOCKS (ops.varlen_blocks), the
+    heads of a pair side by side (so the heaviest blocks of every head come first): (more work, head, sequence,
+    first query row in the sequence, first query and key rows of the sequence, query length, key length). A ticket
+    past the items or naming a pair past the last block is no work: those pairs are the table's tail, so every later
+    ticket is past it too."""
+    pairs = num_items // nheads
+    pair = gl.minimum(ticket // nheads, pairs - 1)
+    seq = gl.load(VARLEN_BLOCKS + pair)
+    m0 = gl.load(VARLEN_BLOCKS + pairs + pair) * BLOCK_M
+    q_first = gl.load(CU_SEQLENS_Q + seq)
+    k_first = gl.load(CU_SEQLENS_K + seq)
+    seqlen_q = gl.load(CU_SEQLENS_Q + seq + 1) - q_first
+    seqlen_k = gl.load(CU_SEQLENS_K + seq + 1) - k_first
+    more = (ticket < num_items) & (m0 < seqlen_q)
+    return more, ticket % nheads, seq, m0, q_first, k_first, seqlen_q, seqlen_k
+
+
+@gluon.jit
+def allocate_item_slots():
+    """The shared memory of `hand_item`: ITEM_FIELDS int32 per query buffer (two)."""
+    return gl.allocate_shared_memory(gl.int32, [2, ITEM_FIELDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+
+@gluon.jit
+def hand_item(slot, more, head, seq, m0, q_first, k_first, seqlen_q, seqlen_k):
+    """The producer's half of the hand-off (a one-warp partition): an item's fields (`varlen_item`) into its slot."""
+    layout: gl.constexpr = gl.BlockedLayout([ITEM_FIELDS], [32], [1], [0])
+    f = gl.arange(0, ITEM_FIELDS, layout=layout)
+    fields = gl.where(f == 0, more.to(gl.int32), gl.where(f == 1, head, gl.where(f == 2, seq, gl.where(
+        f == 3, m0, gl.where(f == 4, q_first, gl.where(f == 5, k_first, gl.where(f == 6, seqlen_q, seqlen_k)))))))
+    slot.store(fields)
+
+
+@gluon.jit
+def _item_field(fields, f, index: gl.constexpr):
+    return gl.sum(gl.where(f == index, fields, 0), axis=0)
+
+
+@gluon.jit
+def read_item(slot):
+    """A consumer warpgroup's half of the hand-off, once the slot's query buffer is ready: `varlen_item`'s fields."""
+    layout: gl.constexpr = gl.BlockedLayout([ITEM_FIELDS], [32], [4], [0])
+    fields = slot.load(layout)  # every thread holds every field
+    f = gl.arange(0, ITEM_FIELDS, layout=layout)
+    return (_item_field(fields, f, 0) != 0, _item_field(fields, f, 1), _item_field(fields, f, 2),
+            _item_field(fields, f, 3), _item_field(fields, f, 4), _item_field(fields, f, 5),
+            _item_field(fields, f, 6), _item_field(fields, f, 7))
 
 
 @gluon.jit

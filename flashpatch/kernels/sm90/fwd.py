@@ -20,8 +20,11 @@ its masked stores skip, and a last key block's keys past seqlen_k are masked lik
 A persistent grid (`_persistent_fwd`, where config.persistent_grid chooses it: head dim 128, dense rows, with or
 without a sliding window) launches one program per SM instead, each looping over query blocks (common.query_tile),
 so that a block's Q load and first K/V blocks run under the previous block's steps and epilogue, which narrow
-windows' short blocks gain most from. Varlen batches keep a program per block: their blocks' costs differ too much
-for a static deal (docs/tuning.md, "sm_90 Gluon kernels"). Under a causal mask without a window the programs take their
+windows' short blocks gain most from. On a varlen batch (`_varlen_persistent_fwd`, head dims 64 and 128), whose
+blocks cost from one to dozens of key steps, a static deal ends unevenly: there each program's producer takes the
+next (head, (sequence, block)) item by a ticket from a counter in global memory (common.take_ticket) and hands its
+fields to the consumers with its Q (common.hand_item), so a program that finishes early takes more. Under a causal
+mask without a window the programs take their
 blocks from a table built on the host (schedule.causal_schedule: head groups kept together for L2, the load
 balanced). Its consumers' loop is pipelined by one matmul (`_fwd_block_pipelined`): a step issues the previous
 block's P V and then its own S = Q Kᵀ and waits for both, so the tensor core runs them back to back. docs/tuning.md
@@ -49,10 +52,11 @@ from flashpatch.kernels.config import head_group, persistent_grid, sm_count
 from flashpatch.kernels.launch import Record, cdiv, launch, replay
 from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
-    allocate_keep_ring, allocate_kv_ring, allocate_query_barriers, alibi_bias, carry_addend, carry_shift_in_ptx,
-    descriptor, drop_pairs, dropout_seed_offset, head_slope_log2, kept_dims, key_limit, persistent_rounds,
-    persistent_tile, philox_wide, producer_persistent, query_block_program, query_tile, sm90_dense_ok,
-    softcap_tanh, stream_kv, tma_load, varlen_query_block_program, window_keys, window_steps)
+    allocate_item_slots, allocate_keep_ring, allocate_kv_ring, allocate_query_barriers, alibi_bias, carry_addend,
+    carry_shift_in_ptx, descriptor, drop_pairs, dropout_seed_offset, hand_item, head_slope_log2, kept_dims,
+    key_limit, key_steps, persistent_rounds, persistent_tile, philox_wide, producer_persistent, query_block_program,
+    query_tile, read_item, release_tickets, sm90_dense_ok, softcap_tanh, stream_kv, take_ticket, tma_load,
+    varlen_item, varlen_query_block_program, window_keys, window_steps)
 from flashpatch.kernels.sm90.schedule import causal_schedule_tensor
 from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_rows
 
@@ -467,6 +471,7 @@ def _fwd_consumer_persistent(q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_
 @gluon.jit
 def attn_fwd_hopper_kernel(
     q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, SEED_OFFSET, SCHEDULE, CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS,
+    TILE_COUNTER,
     q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
     num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2, dropout_p, schedule_rounds, window_left,
@@ -478,8 +483,16 @@ def attn_fwd_hopper_kernel(
 ):
     # WINDOW: a causal sliding window of window_left keys (common.window_steps)
     gl.static_assert(not WINDOW or (CAUSAL and not DROPOUT), "a sliding window runs causal, without dropout")
+    if PERSISTENT and VARLEN:  # num_tiles: heads x VARLEN_BLOCKS' pairs, taken by tickets from TILE_COUNTER
+        gl.static_assert(not DROPOUT, "the varlen form draws no dropout")
+        _varlen_persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, TILE_COUNTER, VARLEN_BLOCKS,
+                               CU_SEQLENS_Q, CU_SEQLENS_K, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, stride_os,
+                               stride_oh, stride_lse_h, stride_alibi_b, num_tiles, nheads, group_size, qk_scale,
+                               cap_log2, window_left, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP,
+                               WINDOW)
+        return
     if PERSISTENT:  # num_tiles: batch x heads x query blocks, which the programs take in turn
-        gl.static_assert(not VARLEN and not DROPOUT, "varlen batches and dropout run one program per block")
+        gl.static_assert(not DROPOUT, "dropout runs one program per block")
         _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols, k_rows, k_cols, v_rows,
                         v_cols, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
                         num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2, SCHEDULE,
@@ -612,6 +625,114 @@ def _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols
     ], [4, 1], [232, 24])
 
 
+@gluon.jit
+def _varlen_persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, TILE_COUNTER, VARLEN_BLOCKS, CU_SEQLENS_Q,
+                           CU_SEQLENS_K, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, stride_os, stride_oh,
+                           stride_lse_h, stride_alibi_b, num_items, nheads, group_size, qk_scale, cap_log2,
+                           window_left, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr,
+                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr,
+                           SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
+    """The PERSISTENT kernel body on a varlen batch: `_persistent_fwd`'s buffers and partitions, the work items
+    (head, (sequence, query block)) taken by tickets (common.take_ticket: a program that finishes early takes the
+    next item, where a static deal of blocks costing 1 to 32 steps ended unevenly), the producer handing each item's
+    fields to the consumers with its Q (common.hand_item)."""
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_bufs, v_bufs, ready_k, ready_v, empty = allocate_kv_ring(k_desc, v_desc, STAGES, 2)
+    q_ready, q_empty = allocate_query_barriers()
+    items = allocate_item_slots()
+    fence_async_shared()
+    consumer_args = (q_bufs, items, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE, ALIBI_SLOPES,
+                     stride_os, stride_oh, stride_lse_h, stride_alibi_b, qk_scale, cap_log2, window_left)
+    gl.warp_specialize([
+        (_varlen_consumer, (consumer_args, 0, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP,
+                            WINDOW)),
+        (_varlen_consumer, (consumer_args, 1, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP,
+                            WINDOW)),
+        (_varlen_producer, (q_desc, k_desc, v_desc, q_bufs, items, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready,
+                            q_empty, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, TILE_COUNTER, VARLEN_BLOCKS,
+                            CU_SEQLENS_Q, CU_SEQLENS_K, num_items, nheads, group_size, window_left, CAUSAL,
+                            2 * HALF_M, BLOCK_N, STAGES, WINDOW)),
+    ], [4, 1], [232, 24])
+
+
+@gluon.jit
+def _varlen_producer(q_desc, k_desc, v_desc, q_bufs, items, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty,
+                     q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, TILE_COUNTER, VARLEN_BLOCKS, CU_SEQLENS_Q,
+                     CU_SEQLENS_K, num_items, nheads, group_size, window_left, CAUSAL: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WINDOW: gl.constexpr):
+    """`_varlen_persistent_fwd`'s producer: per item, its fields and Q into one of two buffers once both consumers
+    released it two items ago, the next ticket drawn, then the item's K/V blocks into the ring (which runs on
+    across items, as common.producer_persistent's). Past the work, a slot saying so, and the counter released."""
+    ring = 0  # key blocks streamed so far
+    done = 0  # items so far
+    more, head, seq, m0, q_first, k_first, seqlen_q, seqlen_k = varlen_item(
+        take_ticket(TILE_COUNTER), num_items, nheads, VARLEN_BLOCKS, CU_SEQLENS_Q, CU_SEQLENS_K, BLOCK_M)
+    while more:
+        qb = done % 2
+        bar = q_ready.index(qb)
+        mbarrier.wait(q_empty.index(qb), ((done // 2) & 1) ^ 1)
+        hand_item(items.index(qb), more, head, seq, m0, q_first, k_first, seqlen_q, seqlen_k)
+        mbarrier.expect(bar, q_desc.block_type.nbytes)
+        tma_load(q_desc, [q_first + head * q_rows[1] + m0, head * q_cols], bar, q_bufs.index(qb))
+        ticket = take_ticket(TILE_COUNTER)  # drawn now, read after this item's stream
+        shift, n_full, n_steps = key_steps(m0, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+        n_first, _, _, n_steps = window_steps(m0, shift, n_full, n_steps, window_left, BLOCK_M, BLOCK_N, WINDOW)
+        off_hk = head // group_size
+        key_row = k_first + n_first * BLOCK_N
+        stream_kv(k_desc, v_desc, k_bufs, v_bufs, ready_k, ready_v, empty, key_row + off_hk * k_rows[1],
+                  off_hk * k_cols, key_row + off_hk * v_rows[1], off_hk * v_cols, n_steps, ring, BLOCK_N, STAGES)
+        ring += n_steps
+        done += 1
+        more, head, seq, m0, q_first, k_first, seqlen_q, seqlen_k = varlen_item(
+            ticket, num_items, nheads, VARLEN_BLOCKS, CU_SEQLENS_Q, CU_SEQLENS_K, BLOCK_M)
+    qb = done % 2
+    mbarrier.wait(q_empty.index(qb), ((done // 2) & 1) ^ 1)
+    hand_item(items.index(qb), more, head, seq, m0, q_first, k_first, seqlen_q, seqlen_k)
+    mbarrier.arrive(q_ready.index(qb))
+    release_tickets(TILE_COUNTER)
+
+
+@gluon.jit
+def _varlen_consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr, FOLD: gl.constexpr,
+                     SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
+    """`_fwd_consumer_persistent` over the items its producer hands it (common.read_item), until one says the work
+    is done."""
+    (q_bufs, items, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE, ALIBI_SLOPES, stride_os,
+     stride_oh, stride_lse_h, stride_alibi_b, qk_scale, cap_log2, window_left) = args
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
+    offs_key = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+    ring = 0
+    done = 0
+    mbarrier.wait(q_ready.index(0), 0)
+    more, head, seq, m0, q_first, _, seqlen_q, seqlen_k = read_item(items.index(0))
+    while more:
+        qb = done % 2
+        shift, n_full, n_steps = key_steps(m0, seqlen_q, seqlen_k, CAUSAL, 2 * HALF_M, BLOCK_N)
+        n_first, n_lo, n_full, n_steps = window_steps(m0, shift, n_full, n_steps, window_left, 2 * HALF_M, BLOCK_N,
+                                                      WINDOW)
+        alibi_log2 = head_slope_log2(ALIBI_SLOPES, seq * stride_alibi_b + head, ALIBI)
+        q_s = q_bufs.index(qb).slice(WG * HALF_M, HALF_M)  # (HALF_M, D)
+        offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+        key_lim = key_limit(offs_m, shift, seqlen_k, CAUSAL)
+        offs_n, key_lo, n_lo = window_keys(offs_m, offs_key, shift, key_lim, (n_lo, n_first * BLOCK_N, window_left),
+                                           WINDOW)
+        acc, m_i, l_i = _fwd_block_pipelined(q_s, q_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs, ready_k,
+                                             ready_v, empty, zero_s, offs_m, offs_n, shift, key_lim, key_lo, n_lo,
+                                             n_full, n_steps, qk_scale, cap_log2, alibi_log2, HEADDIM, HALF_M,
+                                             BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP, WINDOW)
+        mbarrier.arrive(q_empty.index(qb))
+        _fwd_epilogue(acc, m_i, l_i, O, LSE, q_first * stride_os + head * stride_oh, stride_os,
+                      head * stride_lse_h + q_first, offs_m, m0 + WG * HALF_M, seqlen_q, q_s.dtype, HEADDIM, HALF_M,
+                      1.0, False)
+        ring += n_steps
+        done += 1
+        mbarrier.wait(q_ready.index(done % 2), (done // 2) & 1)
+        more, head, seq, m0, q_first, _, seqlen_q, seqlen_k = read_item(items.index(done % 2))
+
+
 def dropout_registers() -> tuple[int, int, int]:
     """(registers a thread at launch, the consumers' setmaxnreg count, the other warpgroups') of the dropout form: its
     9 + 2 DRAWER_WARPS warps launch as whole warpgroups (20) sharing the register file; setmaxnreg applies per
@@ -642,10 +763,37 @@ def block_n(headdim: int) -> int:
     return BLOCK_N_D256 if headdim == 256 else BLOCK_N
 
 
-def varlen_block_rows(headdim: int) -> int:
-    """The query rows of a varlen program (`attn_fwd_varlen`): the (sequence, block) table ops.varlen_blocks
-    builds for its grid counts blocks of this many rows."""
-    return CONSUMERS_BY_HEADDIM[headdim] * HALF_M
+def varlen_persistent(headdim: int, options: KernelOptions) -> bool:
+    """Whether a varlen forward runs `_varlen_persistent_fwd` (its items taken by tickets) rather than one program
+    per item: options.persistent_fwd, or config.persistent_grid's rule; never at head dim 256 (two (128, 256) Q
+    buffers would not fit beside the K/V ring)."""
+    if headdim == 256:
+        return False
+    if options.persistent_fwd is None:
+        return persistent_grid("fwd", 0, headdim, varlen=True)
+    return options.persistent_fwd
+
+
+def varlen_block_rows(headdim: int, options: KernelOptions) -> int:
+    """The query rows of a varlen program or item (`attn_fwd_varlen`): the (sequence, block) table ops.varlen_blocks
+    builds counts blocks of this many rows, those of the consumer warpgroups the form has (two when persistent)."""
+    return (2 if varlen_persistent(headdim, options) else CONSUMERS_BY_HEADDIM[headdim]) * HALF_M
+
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}  # (device, stream) -> its int32 (2,) ticket counter
+
+
+def tile_counter(device: torch.device) -> torch.Tensor | None:
+    """The ticket counter of persistent varlen launches on `device`'s current stream (common.take_ticket): zeros,
+    set back to zeros by each launch's last program, so launches in stream order share it and each stream has its
+    own. None where none is made yet and the stream is capturing a CUDA graph (the caller runs per block)."""
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index))
+    counter = _COUNTERS.get(key)
+    if counter is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counter = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counter
 
 
 def attn_fwd_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, blocks, max_seqlen_k: int, qk_scale: float,
@@ -653,39 +801,46 @@ def attn_fwd_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, blocks, max_s
                     site=None, window_left: int = -1, cap_log2: float = 0.0) -> None:
     """`attn_fwd` for a varlen batch (`supported`, no dropout): out (total_q, H, D) and lse (H, total_q), q:
     (total_q, H, D), k, v: (total_k, Hk, D), cu_seqlens_q / _k: (batch + 1,) int32, blocks: ops.varlen_blocks's
-    (2, n) table of (sequence, block) pairs in blocks of `varlen_block_rows` queries. One program per head and pair
-    (no persistent grid); the packed rows are the TMA views' rows, a sequence's tiles start at its cu_seqlens
-    entry, and a tile past its end reads the next sequence's rows, masked like a dense row's last tile. site:
-    launch.launch's, passed on. window_left >= 0: a causal sliding window; cap_log2 > 0: softcap (`attn_fwd`)."""
+    (2, n) table of (sequence, block) pairs in blocks of `varlen_block_rows` queries. The work items are the heads x
+    pairs: one program each, or (`varlen_persistent`) one program per SM taking them by tickets. The packed rows are
+    the TMA views' rows, a sequence's tiles start at its cu_seqlens entry, and a tile past its end reads the next
+    sequence's rows, masked like a dense row's last tile. site: launch.launch's, passed on. window_left >= 0: a
+    causal sliding window; cap_log2 > 0: softcap (`attn_fwd`)."""
     no_dropout = 0.0
     floats = (qk_scale, cap_log2, no_dropout)
+    headdim = q.shape[2]
+    persistent = varlen_persistent(headdim, options)
+    counter = tile_counter(q.device) if persistent else None  # None in a capture: the per-block grid
     # a replay needs only the descriptors' base pointers: the (T, H, D) tensors stand for their (1, T, H, D) views
-    if site is not None and replay(attn_fwd_hopper_kernel, site, (q, k, v, out, lse, alibi_slopes, cu_seqlens_q,
-                                                                  cu_seqlens_k, blocks), floats):
+    sources = (q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, blocks, counter)
+    if site is not None and replay(attn_fwd_hopper_kernel, (site, counter is None), sources, floats):
         return
     if window_left >= 0 and not causal:
         raise ValueError(f"the Gluon forward runs a sliding window only with the causal mask, got "
                          f"window_left={window_left} without it")
-    nheads, headdim = q.shape[1], q.shape[2]
+    nheads = q.shape[1]
     nheads_k = k.shape[1]
-    consumers = CONSUMERS_BY_HEADDIM[headdim]
+    consumers = 2 if persistent else CONSUMERS_BY_HEADDIM[headdim]  # the table's rows (`varlen_block_rows`)
     q1, k1, v1 = (t.unsqueeze(0) for t in (q, k, v))  # (1, T, H, D)
     q_desc, q_rows, q_cols = descriptor(q1, BLOCK_M if consumers == 2 else HALF_M)
     keys = block_n(headdim)
     k_desc, k_rows, k_cols = descriptor(k1, keys)
     v_desc, v_rows, v_cols = descriptor(v1, keys)
-    grid = (nheads * blocks.shape[1],)
+    num_items = nheads * blocks.shape[1]
+    grid = (num_items,) if counter is None else (min(num_items, sm_count(q.device)),)
     launch(
         attn_fwd_hopper_kernel, grid, q_desc, k_desc, v_desc, out, lse, alibi_slopes, None, None, cu_seqlens_q,
-        cu_seqlens_k, blocks, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, 0, out.stride(0), out.stride(1), 0,
-        lse.stride(0), alibi_batch_stride(alibi_slopes), grid[0], nheads, nheads // nheads_k, 0, max_seqlen_k,
-        qk_scale, cap_log2, no_dropout, 0, max(window_left, 0),
+        cu_seqlens_k, blocks, counter, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, 0, out.stride(0),
+        out.stride(1), 0, lse.stride(0), alibi_batch_stride(alibi_slopes), num_items, nheads, nheads // nheads_k, 0,
+        max_seqlen_k, qk_scale, cap_log2, no_dropout, 0, max(window_left, 0),
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=keys, STAGES=STAGES, HEAD_GROUP=1,
-        ALIBI=alibi_slopes is not None, PERSISTENT=False, FOLD=fold, SOFTCAP=cap_log2 > 0,
+        ALIBI=alibi_slopes is not None, PERSISTENT=counter is not None, FOLD=fold, SOFTCAP=cap_log2 > 0,
         CONSUMERS=consumers, DROPOUT=False,
         DRAWER_WARPS=DRAWER_WARPS, CONSUMER_REGS=0, WORKER_REGS=0, VARLEN=True, WINDOW=window_left >= 0, num_warps=4,
-        maxnreg=MAXNREG if consumers == 2 else MAXNREG_3, cached_launch=options.cached_launch, site=site,
-        record=Record(site, (q1, k1, v1, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, blocks), floats),
+        maxnreg=MAXNREG if consumers == 2 else MAXNREG_3, cached_launch=options.cached_launch,
+        site=None if site is None else (site, counter is None),
+        record=Record((site, counter is None), (q1, k1, v1, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                                 blocks, counter), floats),
     )
 
 
@@ -754,7 +909,7 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
         maxnreg, consumer_regs, worker_regs = (MAXNREG if consumers == 2 else MAXNREG_3), 0, 0
     launch(
         attn_fwd_hopper_kernel, grid, q_desc, k_desc, v_desc, out, lse, alibi_slopes, seed_offset, schedule, None,
-        None, None, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, out.stride(0), out.stride(1), out.stride(2),
+        None, None, None, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes), num_tiles, nheads, nheads // nheads_k,
         seqlen_q, seqlen_k, qk_scale, cap_log2, dropout_p, schedule_rounds, max(window_left, 0),
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=keys, STAGES=STAGES,
