@@ -852,12 +852,19 @@ def test_gluon_persistent_varlen_forward_bit_identical(case, dtype, monkeypatch)
 
 
 @needs_gluon
-def test_gluon_varlen_forward_in_a_cuda_graph_before_its_counter_exists():
-    # A persistent varlen forward first met on a stream inside a CUDA graph capture has no ticket counter there
-    # (sm90_fwd.tile_counter makes none while capturing): it runs the per-block grid, whose outputs are the persistent
-    # one's bit for bit
+def test_gluon_varlen_forward_in_a_cuda_graph_runs_per_block(monkeypatch):
+    # Inside a CUDA graph capture the varlen forward takes no ticket counter (sm90_fwd.tile_counter), even on a stream
+    # that has one: a graph's replays may run beside other launches sharing it. It runs the per-block grid there,
+    # whose outputs are the persistent one's bit for bit
     lengths = [1, 17, 113, 1000, 0, 300]
     q, k, v, cu, _ = (t.detach() for t in _varlen_qkv(lengths, lengths, 8, 2, 128, torch.bfloat16))
+    forms = []  # the PERSISTENT constexpr of each launch that goes through launch.launch (replays do not)
+
+    def record(*args, _launch=sm90_fwd.launch, **launch_kwargs):
+        forms.append(launch_kwargs["PERSISTENT"])
+        return _launch(*args, **launch_kwargs)
+
+    monkeypatch.setattr(sm90_fwd, "launch", record)
 
     def call():
         return flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
@@ -868,11 +875,13 @@ def test_gluon_varlen_forward_in_a_cuda_graph_before_its_counter_exists():
         expected = call()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            assert torch.equal(call(), expected)  # the stream's counter, made outside the capture
+        assert True in forms
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
             out = call()
-            capture_stream = torch.cuda.current_stream().cuda_stream
-        assert (q.device, capture_stream) not in sm90_fwd._COUNTERS  # nothing allocated inside the capture
+        assert forms[-1] is False  # the captured launch: per block
         graph.replay()
         torch.cuda.synchronize()
     assert torch.equal(out, expected)

@@ -916,6 +916,28 @@ def test_gluon_replays_launch_what_the_host_function_builds(index, monkeypatch):
     assert 0.25 in replayed
 
 
+def test_ticket_counters_one_per_stream_and_none_in_a_capture(monkeypatch):
+    # sm90_fwd.tile_counter: the persistent varlen forward's counter, zeroed, one per (device, stream) and kept; none
+    # while the stream captures a CUDA graph (the forward then runs per block)
+    try:
+        from flashpatch.kernels.sm90 import fwd as sm90_fwd
+    except ImportError:
+        pytest.skip("this Triton has no Gluon")
+    monkeypatch.setattr(sm90_fwd, "_COUNTERS", {})
+    stream = [5]
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: stream[0], raising=False)
+    cpu = torch.device("cpu")
+    first = sm90_fwd.tile_counter(cpu)
+    assert first.dtype == torch.int32 and first.tolist() == [0, 0]
+    assert sm90_fwd.tile_counter(cpu) is first
+    stream[0] = 6
+    second = sm90_fwd.tile_counter(cpu)
+    assert second is not first and second.tolist() == [0, 0]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert sm90_fwd.tile_counter(torch.device("cuda", 0)) is None
+    assert len(sm90_fwd._COUNTERS) == 2
+
+
 def test_call_plans_made_once_per_call_signature(configs_for_calls):
     # ops._planned: a repeated call reuses its forward's and backward's decisions (config.py is not asked again); a
     # call that differs in anything those decisions or the launches' specialization read gets plans of its own

@@ -786,12 +786,13 @@ _COUNTERS: dict[tuple, torch.Tensor] = {}  # (device, stream) -> its int32 (2,) 
 def tile_counter(device: torch.device) -> torch.Tensor | None:
     """The ticket counter of persistent varlen launches on `device`'s current stream (common.take_ticket): zeros,
     set back to zeros by each launch's last program, so launches in stream order share it and each stream has its
-    own. None where none is made yet and the stream is capturing a CUDA graph (the caller runs per block)."""
+    own. None while the stream captures a CUDA graph (the caller runs per block): a graph's replays may run on any
+    stream, beside other launches that take the same counter."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
     key = (device, torch._C._cuda_getCurrentRawStream(device.index))
     counter = _COUNTERS.get(key)
     if counter is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
         counter = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
     return counter
 
@@ -810,7 +811,7 @@ def attn_fwd_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, blocks, max_s
     floats = (qk_scale, cap_log2, no_dropout)
     headdim = q.shape[2]
     persistent = varlen_persistent(headdim, options)
-    counter = tile_counter(q.device) if persistent else None  # None in a capture: the per-block grid
+    counter = tile_counter(q.device) if persistent else None  # None in a graph capture: per block
     # a replay needs only the descriptors' base pointers: the (T, H, D) tensors stand for their (1, T, H, D) views
     sources = (q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, blocks, counter)
     if site is not None and replay(attn_fwd_hopper_kernel, (site, counter is None), sources, floats):
