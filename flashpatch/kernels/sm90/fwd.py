@@ -428,6 +428,31 @@ def _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, ro
 
 
 @gluon.jit
+def _persistent_tile(q_bufs, done, ring, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, zero_s, offs_key,
+                     O, LSE, o_base, stride_os, lse_base, m0, shift, n_first, n_lo, n_full, n_steps, seqlen_q,
+                     seqlen_k, qk_scale, cap_log2, alibi_log2, window_left, WG: gl.constexpr, CAUSAL: gl.constexpr,
+                     HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     ALIBI: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
+    """A persistent consumer's tile `done` (its Q in buffer done % 2, its key blocks from ring slot `ring` on): the
+    query block from row m0 with `window_steps`' counts (n_first, n_lo, n_full, n_steps), O and LSE stored from o_base
+    and lse_base. Releases Q (`q_empty`) after the tile's last step, before its epilogue."""
+    s_layout: gl.constexpr = zero_s.type.layout
+    qb = done % 2
+    q_s = q_bufs.index(qb).slice(WG * HALF_M, HALF_M)  # (HALF_M, D)
+    offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+    key_lim = key_limit(offs_m, shift, seqlen_k, CAUSAL)
+    offs_n, key_lo, n_lo = window_keys(offs_m, offs_key, shift, key_lim, (n_lo, n_first * BLOCK_N, window_left),
+                                       WINDOW)
+    acc, m_i, l_i = _fwd_block_pipelined(q_s, q_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs, ready_k,
+                                         ready_v, empty, zero_s, offs_m, offs_n, shift, key_lim, key_lo, n_lo, n_full,
+                                         n_steps, qk_scale, cap_log2, alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES,
+                                         ALIBI, FOLD, SOFTCAP, WINDOW)
+    mbarrier.arrive(q_empty.index(qb))
+    _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, m0 + WG * HALF_M, seqlen_q, q_s.dtype,
+                  HEADDIM, HALF_M, 1.0, False)
+
+
+@gluon.jit
 def _fwd_consumer_persistent(q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
                              ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
                              stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2,
@@ -435,8 +460,7 @@ def _fwd_consumer_persistent(q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_
                              HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr,
                              FOLD: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
-    """`_fwd_consumer` over this program's tiles (common.query_tile), the producer's order; releases Q (`q_empty`)
-    after the tile's last step, before its epilogue."""
+    """`_fwd_consumer` over this program's tiles (common.query_tile), the producer's order (`_persistent_tile`)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
     offs_key = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -450,20 +474,11 @@ def _fwd_consumer_persistent(q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_
                 tile, num_tiles, seqlen_q, seqlen_k, nheads, group_size, window_left, CAUSAL, 2 * HALF_M, BLOCK_N,
                 HEAD_GROUP, WINDOW)
             alibi_log2 = head_slope_log2(ALIBI_SLOPES, off_b * stride_alibi_b + off_h, ALIBI)
-            qb = done % 2
-            q_s = q_bufs.index(qb).slice(WG * HALF_M, HALF_M)  # (HALF_M, D)
-            offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
-            key_lim = key_limit(offs_m, shift, seqlen_k, CAUSAL)
-            offs_n, key_lo, n_lo = window_keys(offs_m, offs_key, shift, key_lim, (n_lo, n_first * BLOCK_N, window_left),
-                                               WINDOW)
-            acc, m_i, l_i = _fwd_block_pipelined(q_s, q_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs,
-                                                 ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift, key_lim,
-                                                 key_lo, n_lo, n_full, n_steps, qk_scale, cap_log2, alibi_log2,
-                                                 HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP, WINDOW)
-            mbarrier.arrive(q_empty.index(qb))
-            _fwd_epilogue(acc, m_i, l_i, O, LSE, off_b * stride_ob + off_h * stride_oh, stride_os,
-                          off_b * stride_lse_b + off_h * stride_lse_h, offs_m, m0 + WG * HALF_M, seqlen_q,
-                          q_s.dtype, HEADDIM, HALF_M, 1.0, False)
+            _persistent_tile(q_bufs, done, ring, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, zero_s,
+                             offs_key, O, LSE, off_b * stride_ob + off_h * stride_oh, stride_os,
+                             off_b * stride_lse_b + off_h * stride_lse_h, m0, shift, n_first, n_lo, n_full, n_steps,
+                             seqlen_q, seqlen_k, qk_scale, cap_log2, alibi_log2, window_left, WG, CAUSAL, HEADDIM,
+                             HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP, WINDOW)
             ring += n_steps
             done += 1
 
@@ -709,24 +724,15 @@ def _varlen_consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, HEADDIM: gl.c
     mbarrier.wait(q_ready.index(0), 0)
     more, head, seq, m0, q_first, _, seqlen_q, seqlen_k = read_item(items.index(0))
     while more:
-        qb = done % 2
         shift, n_full, n_steps = key_steps(m0, seqlen_q, seqlen_k, CAUSAL, 2 * HALF_M, BLOCK_N)
         n_first, n_lo, n_full, n_steps = window_steps(m0, shift, n_full, n_steps, window_left, 2 * HALF_M, BLOCK_N,
                                                       WINDOW)
         alibi_log2 = head_slope_log2(ALIBI_SLOPES, seq * stride_alibi_b + head, ALIBI)
-        q_s = q_bufs.index(qb).slice(WG * HALF_M, HALF_M)  # (HALF_M, D)
-        offs_m = m0 + WG * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
-        key_lim = key_limit(offs_m, shift, seqlen_k, CAUSAL)
-        offs_n, key_lo, n_lo = window_keys(offs_m, offs_key, shift, key_lim, (n_lo, n_first * BLOCK_N, window_left),
-                                           WINDOW)
-        acc, m_i, l_i = _fwd_block_pipelined(q_s, q_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs, ready_k,
-                                             ready_v, empty, zero_s, offs_m, offs_n, shift, key_lim, key_lo, n_lo,
-                                             n_full, n_steps, qk_scale, cap_log2, alibi_log2, HEADDIM, HALF_M,
-                                             BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP, WINDOW)
-        mbarrier.arrive(q_empty.index(qb))
-        _fwd_epilogue(acc, m_i, l_i, O, LSE, q_first * stride_os + head * stride_oh, stride_os,
-                      head * stride_lse_h + q_first, offs_m, m0 + WG * HALF_M, seqlen_q, q_s.dtype, HEADDIM, HALF_M,
-                      1.0, False)
+        _persistent_tile(q_bufs, done, ring, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, zero_s,
+                         offs_key, O, LSE, q_first * stride_os + head * stride_oh, stride_os,
+                         head * stride_lse_h + q_first, m0, shift, n_first, n_lo, n_full, n_steps, seqlen_q, seqlen_k,
+                         qk_scale, cap_log2, alibi_log2, window_left, WG, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES,
+                         ALIBI, FOLD, SOFTCAP, WINDOW)
         ring += n_steps
         done += 1
         mbarrier.wait(q_ready.index(done % 2), (done // 2) & 1)
