@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session in one call: GPU tests, kernel tuning, benchmarks, recipes. A short summary prints last.
-#   bash tools/gpu_suite.sh [tests | tests1 tests2 | tests_par] [tune] [tune_fwd] [tune_dropout] [bench | bench_full | bench_table]
+#   bash tools/gpu_suite.sh [tests | tests1 tests2 | tests_par] [tune] [tune_fwd] [tune_dropout]
+#       [bench | bench_full | bench_table] [bench_scope]
 #       [host] [parity] [parity_dropout] [<config name>] ...   (tests1, tests2: each half of the GPU tests, for two calls)
 #   PARITY_SEEDS="0 1 2" repeats parity_dropout per seed.
 # Logs and reports go to $WORK; after every step they are packed into $OUT/suite.tgz (the device tool returns at
@@ -77,6 +78,15 @@ for step in $steps; do
       python3 benchmarks/bench_attention.py $args --out "$WORK" 2>"$WORK/bench_progress.log" | tee "$WORK/bench.md"
       cp "$WORK/bench.md" "$OUT/bench.md"
       summary+=("$step: bench.md") ;;
+    bench_scope)  # results/latest/bench_scope.md's table: ragged lengths and (B, H, S, D) memory against cuDNN, varlen
+      # batches and sliding windows against FlexAttention (with dense causal N = 4096 for the varlen / dense ratio)
+      python3 benchmarks/bench_attention.py --seqlens 1000,1024,4000,4096,8000,8191,8192 \
+        --match "d128 causal N=|d64 causal N=4096" --peers fpatch,sdpa_cudnn --out "$WORK/scope_lengths" \
+        2>"$WORK/bench_progress.log" | tee "$WORK/scope_lengths.md"
+      python3 benchmarks/bench_attention.py --seqlens 4096 \
+        --match "d128 window|d128 varlen 73|d128 varlen GQA 16/8|d64 varlen 73" --peers fpatch,flex \
+        --out "$WORK/scope_varlen" 2>>"$WORK/bench_progress.log" | tee "$WORK/scope_varlen.md"
+      summary+=("bench_scope: scope_lengths.md, scope_varlen.md") ;;
     host)  # host time per forward + backward against SDPA (results/latest/host_time.md)
       python3 benchmarks/host_time.py --out "$WORK" 2>"$WORK/host_progress.log" | tee "$WORK/host_time.md"
       summary+=("host: host_time.md") ;;
