@@ -545,6 +545,21 @@ def test_persistent_grid_rule():
         kernel_config.persistent_grid("dkdv", 8, 128)
 
 
+def test_varlen_forward_grid_rule():
+    # a varlen forward's items go by tickets at head dims 64 and 128 (two consumers, 128-row blocks in its table),
+    # per block at 256 and wherever options.persistent_fwd is False
+    try:
+        from flashpatch.kernels.sm90 import fwd as sm90_fwd
+    except ImportError:
+        pytest.skip("this Triton has no Gluon")
+    defaults, per_block = kernel_options.DEFAULT, kernel_options.updated(kernel_options.DEFAULT, persistent_fwd=False)
+    assert [sm90_fwd.varlen_persistent(d, defaults) for d in (64, 128, 256)] == [True, True, False]
+    assert [sm90_fwd.varlen_block_rows(d, defaults) for d in (64, 128, 256)] == [128, 128, 128]
+    assert [sm90_fwd.varlen_block_rows(d, per_block) for d in (64, 128, 256)] == [192, 128, 128]
+    forced = kernel_options.updated(kernel_options.DEFAULT, persistent_fwd=True)
+    assert not sm90_fwd.varlen_persistent(256, forced)  # two Q buffers of 256 columns do not fit
+
+
 @pytest.mark.parametrize("num_bh,seqlen_q,seqlen_k,head_group,programs", [
     (64, 4096, 4096, 4, 132),  # bench_attention's causal n4096 rows, config.head_group's groups
     (10, 4096, 4096, 4, 132),  # a last group of 2 heads
