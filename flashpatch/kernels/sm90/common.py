@@ -279,15 +279,22 @@ def varlen_pair(VARLEN_BLOCKS, CU_SEQLENS_Q, CU_SEQLENS_K, heads):
     length, key length) on a varlen grid of `heads` x the (sequence, block) pairs of VARLEN_BLOCKS ((2, n) int32,
     ops.varlen_blocks), a head's pairs side by side."""
     pairs = gl.num_programs(0) // heads
-    head = gl.program_id(0) // pairs
-    pair = gl.program_id(0) % pairs
+    seq, block, q_first, k_first, seqlen_q, seqlen_k = _sequence_block(
+        gl.program_id(0) % pairs, pairs, VARLEN_BLOCKS, CU_SEQLENS_Q, CU_SEQLENS_K)
+    return seq, gl.program_id(0) // pairs, block, q_first, k_first, seqlen_q, seqlen_k
+
+
+@gluon.jit
+def _sequence_block(pair, pairs, VARLEN_BLOCKS, CU_SEQLENS_Q, CU_SEQLENS_K):
+    """Pair `pair` of the `pairs` in VARLEN_BLOCKS: (sequence, block index, first query row and first key row in the
+    packed tensors, query length, key length)."""
     seq = gl.load(VARLEN_BLOCKS + pair)
     block = gl.load(VARLEN_BLOCKS + pairs + pair)
     q_first = gl.load(CU_SEQLENS_Q + seq)
     k_first = gl.load(CU_SEQLENS_K + seq)
     seqlen_q = gl.load(CU_SEQLENS_Q + seq + 1) - q_first
     seqlen_k = gl.load(CU_SEQLENS_K + seq + 1) - k_first
-    return seq, head, block, q_first, k_first, seqlen_q, seqlen_k
+    return seq, block, q_first, k_first, seqlen_q, seqlen_k
 
 
 @gluon.jit
@@ -553,10 +560,17 @@ ITEM_FIELDS = gl.constexpr(8)
 def take_ticket(COUNTER):
     """The next work item of a dynamically scheduled grid: COUNTER[0] before this program's increment (a one-warp
     partition's call; lane 0 takes it, a shuffle gives it to the warp)."""
+    return _warp_increment(COUNTER)
+
+
+@gluon.jit
+def _warp_increment(PTR):
+    """*PTR before adding 1 to it, for every lane of a one-warp partition: lane 0 adds, a shuffle gives the value to
+    the warp."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     lane = gl.arange(0, 32, layout=layout)
-    ticket = gl.atomic_add(COUNTER + lane * 0, gl.full([32], 1, gl.int32, layout), mask=lane == 0)
-    return gl.max(gl.where(lane == 0, ticket, 0), axis=0)
+    before = gl.atomic_add(PTR + lane * 0, gl.full([32], 1, gl.int32, layout), mask=lane == 0)
+    return gl.max(gl.where(lane == 0, before, 0), axis=0)
 
 
 @gluon.jit
@@ -564,10 +578,9 @@ def release_tickets(COUNTER):
     """A producer's last act once it drew a ticket past the work: COUNTER[1] counts the programs done drawing, and the
     last of them sets both counters back to 0 for the next launch on the stream (every program has drawn its last
     ticket by then)."""
+    last = _warp_increment(COUNTER + 1) == gl.num_programs(0) - 1
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     lane = gl.arange(0, 32, layout=layout)
-    finished = gl.atomic_add(COUNTER + 1 + lane * 0, gl.full([32], 1, gl.int32, layout), mask=lane == 0)
-    last = gl.max(gl.where(lane == 0, finished, 0), axis=0) == gl.num_programs(0) - 1
     gl.store(COUNTER + lane, gl.zeros([32], gl.int32, layout), mask=(lane < 2) & last)
 
 
@@ -579,13 +592,9 @@ def varlen_item(ticket, num_items, nheads, VARLEN_BLOCKS, CU_SEQLENS_Q, CU_SEQLE
     past the items or naming a pair past the last block is no work: those pairs are the table's tail, so every later
     ticket is past it too."""
     pairs = num_items // nheads
-    pair = gl.minimum(ticket // nheads, pairs - 1)
-    seq = gl.load(VARLEN_BLOCKS + pair)
-    m0 = gl.load(VARLEN_BLOCKS + pairs + pair) * BLOCK_M
-    q_first = gl.load(CU_SEQLENS_Q + seq)
-    k_first = gl.load(CU_SEQLENS_K + seq)
-    seqlen_q = gl.load(CU_SEQLENS_Q + seq + 1) - q_first
-    seqlen_k = gl.load(CU_SEQLENS_K + seq + 1) - k_first
+    seq, block, q_first, k_first, seqlen_q, seqlen_k = _sequence_block(
+        gl.minimum(ticket // nheads, pairs - 1), pairs, VARLEN_BLOCKS, CU_SEQLENS_Q, CU_SEQLENS_K)
+    m0 = block * BLOCK_M
     more = (ticket < num_items) & (m0 < seqlen_q)
     return more, ticket % nheads, seq, m0, q_first, k_first, seqlen_q, seqlen_k
 
