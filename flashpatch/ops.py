@@ -261,13 +261,13 @@ def _launch_configs(q: torch.Tensor, k: torch.Tensor, varlen: bool, max_seqlen_q
     return kernel_config.configs_for(headdim, q.is_cuda, window_left >= 0 or window_right >= 0, dropout_p > 0,
                                      _aligned(varlen, headdim, max_seqlen_q, max_seqlen_k),
                                      max_seqlen_q <= kernel_config.SHORT, q.shape[-2] != k.shape[-2], long_keys,
-                                     varlen, fields=opts.config_fields)
+                                     varlen, window_left >= 0, fields=opts.config_fields)
 
 
 def _mean_keys_seen(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int) -> float:
     """Keys a query attends to, averaged over the queries: all seqlen_k without a mask; under the bottom-right causal
     mask query i sees i + 1 + seqlen_k - seqlen_q of them, none where that is below 1. Sliding windows count as 0:
-    what reads this (config's `long_keys`) applies to none of them."""
+    config's `windowed` decides for them what `long_keys` decides for the rest."""
     if window_left < 0 and window_right < 0:
         return float(seqlen_k)
     if window_left < 0 and window_right == 0:

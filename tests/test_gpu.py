@@ -696,18 +696,25 @@ GLUON_WINDOW_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", GLUON_WINDOW_CASES,
                          ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}:{c[4]}-d{c[5]}-w{c[6]}")
-def test_gluon_window_matches_float64(case, dtype, monkeypatch):
+@pytest.mark.parametrize("dq_form", ["dq_pass", "fused_dq"])
+def test_gluon_window_matches_float64(case, dtype, dq_form, monkeypatch):
     # common.window_steps: a query block's K/V stream starts at the first key block its first row sees, the blocks
-    # on the window's left edge masked; dK/dV's query range ends where its last key leaves the windows
+    # on the window's left edge masked; dK/dV's query range ends where its last key leaves the windows. At head dim
+    # 128 windows take the fused dQ by default (config's `windowed`), its reduce-adds covering the same query range
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, window_left = case
+    fused = dq_form == "fused_dq"
+    if fused and not sm90_dkdv.fuses_dq(headdim):
+        pytest.skip(f"the Gluon dK/dV fuses dQ at head dim 128, not {headdim}")
     calls = _record_launches(monkeypatch, keyword="window_left")
     q, k, v = _gluon_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, "bshd", dtype)
     kwargs = dict(causal=True, window_size=(window_left, 0))
-    with kernel_options.override(gluon_fwd=True, gluon_dkdv=True, gluon_dq=True, fused_dq=False):
+    with kernel_options.override(gluon_fwd=True, gluon_dkdv=True, gluon_dq=True, **({} if fused else {
+            "fused_dq": False})):
         out = flashpatch.flash_attn_func(q, k, v, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
-    assert sorted(calls) == [(name, window_left) for name in ("attn_bwd_dkdv", "attn_bwd_dq", "attn_fwd")], calls
+    expected = ("attn_bwd_dkdv", "attn_fwd") if fused else ("attn_bwd_dkdv", "attn_bwd_dq", "attn_fwd")
+    assert sorted(calls) == [(name, window_left) for name in expected], calls
     check_against_reference(out, grads, q, k, v, dout, **kwargs)
 
 

@@ -183,9 +183,10 @@ def test_atomic_dq_only_for_masked_d128_dropout_without_gqa():
     assert not atomic(headdim=64)
 
 
-def test_fused_dq_only_for_rows_with_long_keys():
+def test_fused_dq_only_for_rows_with_long_keys_and_windows():
     # config.py (docs/tuning.md): the Gluon dK/dV's fused dQ won where a query sees LONG_KEYS keys or more
-    # on average, with or without a mask or GQA; at head dim 64 only with dropout; never at 256 or in the interpreter
+    # on average, with or without a mask or GQA, and under sliding windows; at head dim 64 only with dropout; never at
+    # 256 or in the interpreter
     def fused(headdim=128, is_cuda=True, long_keys=True, **flags):
         return kernel_config.configs_for(headdim, is_cuda, aligned=True, long_keys=long_keys, **flags).fused_dq
     assert fused() and fused(masked=True) and fused(grouped=True) and fused(masked=True, grouped=True)
@@ -194,6 +195,10 @@ def test_fused_dq_only_for_rows_with_long_keys():
     assert not fused(headdim=64) and not fused(headdim=256)
     assert fused(headdim=64, dropout=True) and not fused(headdim=64, dropout=True, long_keys=False)
     assert not fused(is_cuda=False)
+    # sliding windows at head dim 128 whatever their width (ops._mean_keys_seen counts them as 0 keys)
+    assert fused(masked=True, windowed=True, long_keys=False) and fused(masked=True, windowed=True, grouped=True,
+                                                                         long_keys=False)
+    assert not fused(headdim=64, masked=True, windowed=True, long_keys=False)
     # the measured edge (docs/tuning.md, "fused dQ"): causal rows of 3072 and 4000 queries gained from it, of 2048 lost
     long_causal = [ops._mean_keys_seen(n, n, -1, 0) >= kernel_config.LONG_KEYS for n in (2048, 3072, 4000)]
     assert long_causal == [False, True, True]

@@ -65,18 +65,18 @@ LONG_KEYS_DROPOUT = 1024  # the same with dropout (KernelConfigs.fused_dq: measu
 
 def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool = False,
                 aligned: bool = False, short: bool = False, grouped: bool = False,
-                long_keys: bool = False, varlen: bool = False,
+                long_keys: bool = False, varlen: bool = False, windowed: bool = False,
                 fields: Mapping = MappingProxyType({})) -> KernelConfigs:
     """`measured_configs` (cached: it runs twice per call), with `fields` on top (options.KernelOptions.config_fields:
     what options.override set)."""
-    cfg = measured_configs(headdim, is_cuda, masked, dropout, aligned, short, grouped, long_keys, varlen)
+    cfg = measured_configs(headdim, is_cuda, masked, dropout, aligned, short, grouped, long_keys, varlen, windowed)
     return replace(cfg, **fields) if fields else cfg
 
 
 @functools.lru_cache(maxsize=None)
 def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool = False,
                      aligned: bool = False, short: bool = False, grouped: bool = False,
-                     long_keys: bool = False, varlen: bool = False) -> KernelConfigs:
+                     long_keys: bool = False, varlen: bool = False, windowed: bool = False) -> KernelConfigs:
     """Launch settings measured by benchmarks/tune_kernels.py (bf16, B*N = 16k, H*D = 2048; docs/tuning.md, by head
     dim and case). `masked`: causal or windowed, where the forward prefers narrower key tiles (less work wasted on
     the diagonal) and the d64 dK/dV kernel a deeper pipeline. `dropout`: the unmasked d128 forward keeps the narrow
@@ -88,7 +88,8 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
     `grouped`: GQA/MQA (fewer K/V heads than query heads), where the dK/dV kernel loops over each K/V head's group.
     `long_keys`: a query sees LONG_KEYS (with dropout LONG_KEYS_DROPOUT) keys or more on average
     (ops._mean_keys_seen), where the fused dQ wins. `varlen`: a varlen batch (not aligned, and its tiles measured on
-    the varlen mix apart from dense rows whose lengths divide no tile).
+    the varlen mix apart from dense rows whose lengths divide no tile). `windowed`: a sliding window (`masked` too),
+    where the fused dQ wins at head dim 128 at the widths measured (1024 and 4096).
 
     The separate dQ pass beat the Triton dK/dV's atomic dQ in every measured case but one, so it is the default,
     which also makes the backward deterministic by construction. The exception: d128 causal or windowed with
@@ -157,8 +158,9 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
             gluon_dkdv=True,
             gluon_fwd=True,  # with dropout too (its drawer warps)
             gluon_dq=True,
-            # the varlen mix: the fused dQ 377 TFLOP/s fwd+bwd against 358 with the dQ pass (GQA 16/8: 395 / 369)
-            fused_dq=long_keys or varlen,
+            # the varlen mix: the fused dQ 377 TFLOP/s fwd+bwd against 358 with the dQ pass (GQA 16/8: 395 / 369);
+            # windows: backward 1024 at N 8192 356-357 -> 362-364, 4096 at N 16384 (GQA 32/8) 480 -> 493-499
+            fused_dq=long_keys or varlen or windowed,
         )
     elif block_d <= 128:
         # Head dim 128 without a mask (docs/tuning.md, "d128 unmasked tiles"): one-warpgroup dK/dV tiles over 64
