@@ -708,8 +708,10 @@ def test_gluon_window_matches_float64(case, dtype, dq_form, monkeypatch):
     calls = _record_launches(monkeypatch, keyword="window_left")
     q, k, v = _gluon_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, "bshd", dtype)
     kwargs = dict(causal=True, window_size=(window_left, 0))
-    with kernel_options.override(gluon_fwd=True, gluon_dkdv=True, gluon_dq=True, **({} if fused else {
-            "fused_dq": False})):
+    overrides = dict(gluon_fwd=True, gluon_dkdv=True, gluon_dq=True)
+    if not fused:  # else config's default: the fused dQ
+        overrides["fused_dq"] = False
+    with kernel_options.override(**overrides):
         out = flashpatch.flash_attn_func(q, k, v, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
