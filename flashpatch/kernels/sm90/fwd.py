@@ -453,6 +453,16 @@ def _persistent_tile(q_bufs, done, ring, k_bufs, v_bufs, ready_k, ready_v, empty
 
 
 @gluon.jit
+def _persistent_constants(HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A persistent consumer's (key offsets within a block, zero score tile) in the (queries, keys) score layout,
+    made once for all its tiles (`_persistent_tile`)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
+    return (gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)),
+            gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout))
+
+
+@gluon.jit
 def _fwd_consumer_persistent(q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
                              ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
                              stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2,
@@ -461,10 +471,7 @@ def _fwd_consumer_persistent(q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_
                              STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr,
                              FOLD: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
     """`_fwd_consumer` over this program's tiles (common.query_tile), the producer's order (`_persistent_tile`)."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
-    offs_key = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+    offs_key, zero_s = _persistent_constants(HALF_M, BLOCK_N)
     ring = 0
     done = 0
     for rnd in range(persistent_rounds(num_tiles, SCHEDULE, schedule_rounds)):
@@ -715,10 +722,7 @@ def _varlen_consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, HEADDIM: gl.c
     is done."""
     (q_bufs, items, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE, ALIBI_SLOPES, stride_os,
      stride_oh, stride_lse_h, stride_alibi_b, qk_scale, cap_log2, window_left) = args
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])  # (queries, keys)
-    offs_key = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+    offs_key, zero_s = _persistent_constants(HALF_M, BLOCK_N)
     ring = 0
     done = 0
     mbarrier.wait(q_ready.index(0), 0)
