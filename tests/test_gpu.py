@@ -861,12 +861,14 @@ def test_gluon_persistent_varlen_forward_bit_identical(case, dtype, monkeypatch)
 
 
 @needs_gluon
-def test_gluon_varlen_forward_in_a_cuda_graph_runs_per_block(monkeypatch):
+@pytest.mark.parametrize("headdim", [128, 64])
+def test_gluon_varlen_forward_in_a_cuda_graph_runs_per_block(headdim, monkeypatch):
     # Inside a CUDA graph capture the varlen forward takes no ticket counter (sm90_fwd.tile_counter), even on a stream
     # that has one: a graph's replays may run beside other launches sharing it. It runs the per-block grid there,
-    # whose outputs are the persistent one's bit for bit
+    # whose outputs are the persistent one's bit for bit; at head dim 64 that grid keeps the table's 128-row blocks,
+    # two consumers a program rather than its usual three
     lengths = [1, 17, 113, 1000, 0, 300]
-    q, k, v, cu, _ = (t.detach() for t in _varlen_qkv(lengths, lengths, 8, 2, 128, torch.bfloat16))
+    q, k, v, cu, _ = (t.detach() for t in _varlen_qkv(lengths, lengths, 8, 2, headdim, torch.bfloat16))
     forms = []  # the PERSISTENT constexpr of each launch that goes through launch.launch (replays do not)
 
     def record(*args, _launch=sm90_fwd.launch, **launch_kwargs):
