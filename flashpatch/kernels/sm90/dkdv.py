@@ -152,7 +152,7 @@ def _visible_tile(like, limit):
     """The causal mask of the step's (HALF_N, BLOCK_M) tile in the layout of `like`: key j visible from query i
     when j - i <= limit (the step's m0 + shift - key0). Written in KEEP_TILE6's dimensions, j - i is one value
     per thread (its lane's and warp's bits) plus a constant per register, so the mask holds no index tile in
-    registers (with dropout, `causal_mask_t`'s spilled)."""
+    registers (with dropout `causal_mask_t`'s spilled; windows take it too, docs/tuning.md)."""
     key_hi = gl.arange(0, 4, layout=KEEP_KEY_HI)[:, None, None, None, None, None]
     key_lo = gl.arange(0, 8, layout=KEEP_KEY_LO)[None, None, :, None, None, None]
     query_mid = gl.arange(0, 4, layout=KEEP_QUERY_MID)[None, None, None, None, :, None]
@@ -235,7 +235,8 @@ def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, rea
     (KEY_TAIL: no causal mask, and seqlen_k not a multiple of BLOCK_N; every step takes it, since a branch on the
     program's key block between two loops made ptxas spill; a causal mask hides those keys by itself), 4 the causal
     sliding window's edge alone (`window_mask_t`). Under a WINDOW (causal, no dropout) masks 1 and 2 hide the keys
-    before each query's window too, 2 by a branch of its own per step. Queries past
+    before each query's window too, 2 by a branch of its own per step; mask 2 takes both edges from `_visible_tile`
+    with dropout or under a window. Queries past
     seqlen_q need no mask: their LSE is +inf (ops.attn_bwd_impl pads it), so their P is 0. FUSED_DQ: dQ's share of
     the step too (`_fused_dq`; dq_parts its buffers and barriers, else unused). DROPOUT: the step's keep word from
     the drawer (keep_parts: the rings of keep words, consumer WG's slots WG * KEEP_SLOTS + the step's, their
@@ -281,13 +282,14 @@ def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, rea
             p_t = window_mask_t(p_t, offs_n, offs_m, m0 + shift - window_left)
     elif MASK == 2:  # only the steps that cross the diagonal hide any of the warpgroup's keys
         if key0 + HALF_N - 1 > m0 + shift:
-            if DROPOUT:
+            if DROPOUT or WINDOW:
                 p_t = gl.where(_visible_tile(zero_s, m0 + shift - key0), p_t, 0.0)
             else:
                 p_t = causal_mask_t(p_t, offs_n, offs_m, m0 + shift)
-        if WINDOW:  # and the steps whose last query's window starts after the warpgroup's first key
+        if WINDOW:  # and the steps whose last query's window starts after the warpgroup's first key: key j is
+            # hidden from query i when j - i < m0 + shift - window_left - key0
             if key0 < m0 + zero_s.shape[1] - 1 + shift - window_left:
-                p_t = window_mask_t(p_t, offs_n, offs_m, m0 + shift - window_left)
+                p_t = gl.where(_visible_tile(zero_s, m0 + shift - window_left - key0 - 1), 0.0, p_t)
     elif MASK == 3:
         p_t = gl.where((offs_n < seqlen_k)[:, None], p_t, 0.0)
     elif MASK == 4:
