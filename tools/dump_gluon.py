@@ -89,13 +89,16 @@ def main():
         if not args.dropout:
             maxnreg, consumer_regs, worker_regs = (hf.MAXNREG if consumers == 2 else hf.MAXNREG_3), 0, 0
         bn = args.block_n or hf.BLOCK_N
-        descs = {"q_desc": desc(hf.BLOCK_M if consumers == 2 else hf.HALF_M), "k_desc": desc(bn), "v_desc": desc(bn)}
+        descs = {"q_desc": desc(hf.BLOCK_M if consumers == 2 else hf.HALF_M), "k_desc": desc(bn), "v_desc": desc(bn),
+                 "o_desc": desc(hf.HALF_M)}
         consts = dict(CAUSAL=args.causal, HEADDIM=d, HALF_M=hf.HALF_M, BLOCK_N=bn,
                       STAGES=args.stages or hf.STAGES, HEAD_GROUP=args.head_group, PERSISTENT=args.persistent,
                       CONSUMERS=consumers, DROPOUT=args.dropout, DRAWER_WARPS=hf.DRAWER_WARPS,
                       CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs)
         if not args.dropout:
             consts.update(SEED_OFFSET=None)  # the launcher's None without dropout
+        if not args.persistent:
+            consts.update(o_desc=None)  # the launcher's None but for the persistent forms' TMA stores of O
         if not (args.persistent and args.causal and options.DEFAULT.causal_schedule):
             consts.update(SCHEDULE=None)  # the launcher's None but for a persistent causal grid's table
     consts.update(ALIBI=args.alibi, VARLEN=args.varlen)

@@ -46,7 +46,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from flashpatch.kernels.config import head_group, persistent_grid, sm_count
 from flashpatch.kernels.launch import Record, cdiv, launch, replay
@@ -337,7 +337,8 @@ def _fwd_block(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empt
 def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
                          shift, key_lim, key_lo, n_lo, n_full, n_steps, qk_scale, cap_log2, alibi_log2,
                          HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                         ALIBI: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
+                         ALIBI: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
+                         prev_q_empty, prev_storing):
     """`_fwd_block` (no dropout) for a persistent program's consumer, software-pipelined by one matmul: step i
     issues block i - 1's P V and then block i's S = Q Kᵀ and waits for both at once, so the tensor core runs them
     back to back instead of idling while the warpgroup waits for P V, releases the slot, and issues the next S. P is
@@ -347,7 +348,10 @@ def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, rea
     One loop over the key blocks picks the masked step per block (`_pipelined_softmax`), in place of
     `_fwd_block`'s three loops: with two loops, Triton 3.6 compiled a persistent kernel so that the first consumer
     warpgroup's matmuls read the wrong shared memory whenever the unmasked loop had no trips (a causal tile at the
-    diagonal), while the second warpgroup, the same code, was right. dq.py's persistent dQ keeps one loop too."""
+    diagonal), while the second warpgroup, the same code, was right. dq.py's persistent dQ keeps one loop too.
+
+    With prev_storing set, the previous tile's O is under a TMA store from its Q buffer (`_persistent_tile`): the
+    buffer goes back to the producer (prev_q_empty) once the store has read it, waited for under block 0's S."""
     s_layout: gl.constexpr = zero_s.type.layout
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEADDIM, 16])  # (queries, D)
@@ -361,10 +365,13 @@ def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, rea
         mbarrier.wait(ready_k.index(ring % STAGES), (ring // STAGES) & 1)
         qk = warpgroup_mma(q_s, k_bufs.index(ring % STAGES).permute((1, 0)), zero_s, use_acc=False,
                            is_async=True)
+        _release_stored(prev_q_empty, prev_storing)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
         p_op, acc, m_i, l_i = _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, 0, n_lo, n_full, shift, key_lim,
                                                  key_lo, qk_scale, cap_log2, alibi_log2, q_s.dtype, a_layout, ALIBI,
                                                  BLOCK_N, FOLD, SOFTCAP, WINDOW)
+    else:
+        _release_stored(prev_q_empty, prev_storing)
     for i in range(1, n_steps):
         prev = (ring + i - 1) % STAGES
         mbarrier.wait(ready_v.index(prev), ((ring + i - 1) // STAGES) & 1)
@@ -384,6 +391,13 @@ def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, rea
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(empty.index(last))
     return acc, m_i, l_i
+
+
+@gluon.jit
+def _release_stored(q_empty, storing):
+    """The previous tile's Q buffer handed back where its O was stored from it, once the store has read it."""
+    tma.store_wait(0)
+    mbarrier.arrive(q_empty, pred=storing != 0)
 
 
 @gluon.jit
@@ -415,27 +429,38 @@ def _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, ro
     the score layout), those before seqlen_q (a last query block may run past it: `supported`); with DROPOUT,
     O = acc / (l (1 - p)), keep_fraction = 1 - p."""
     o_layout: gl.constexpr = acc.type.layout
-    empty_row = l_i == 0.0  # the row sees no key: output 0, LSE +inf (so backward recomputes P = 0)
-    lse = gl.where(empty_row, float("inf"), (m_i + gl.log2(gl.where(empty_row, 1.0, l_i))) * 0.6931471805599453)
-    gl.store(LSE + lse_base + offs_m, lse, mask=offs_m < seqlen_q)
-    l_o = gl.convert_layout(gl.where(empty_row, 1.0, l_i), gl.SliceLayout(1, o_layout))
-    if DROPOUT:
-        l_o = l_o * keep_fraction
-    out = (acc / l_o[:, None]).to(dtype)
+    out = _fwd_epilogue_lse(acc, m_i, l_i, LSE, lse_base, offs_m, seqlen_q, keep_fraction, DROPOUT).to(dtype)
     rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
     offs_d = gl.arange(0, HEADDIM, layout=gl.SliceLayout(0, o_layout))
     gl.store(O + o_base + rows[:, None] * stride_os + offs_d[None, :], out, mask=(rows < seqlen_q)[:, None])
 
 
 @gluon.jit
+def _fwd_epilogue_lse(acc, m_i, l_i, LSE, lse_base, offs_m, seqlen_q, keep_fraction=1.0, DROPOUT: gl.constexpr = False):
+    """`_fwd_epilogue`'s LSE stored, and its O in fp32 returned (acc's layout)."""
+    empty_row = l_i == 0.0  # the row sees no key: output 0, LSE +inf (so backward recomputes P = 0)
+    lse = gl.where(empty_row, float("inf"), (m_i + gl.log2(gl.where(empty_row, 1.0, l_i))) * 0.6931471805599453)
+    gl.store(LSE + lse_base + offs_m, lse, mask=offs_m < seqlen_q)
+    l_o = gl.convert_layout(gl.where(empty_row, 1.0, l_i), gl.SliceLayout(1, acc.type.layout))
+    if DROPOUT:
+        l_o = l_o * keep_fraction
+    return acc / l_o[:, None]
+
+
+@gluon.jit
 def _persistent_tile(q_bufs, done, ring, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, zero_s, offs_key,
                      O, LSE, o_base, stride_os, lse_base, m0, shift, n_first, n_lo, n_full, n_steps, seqlen_q,
-                     seqlen_k, qk_scale, cap_log2, alibi_log2, window_left, WG: gl.constexpr, CAUSAL: gl.constexpr,
+                     seqlen_k, qk_scale, cap_log2, alibi_log2, window_left, o_desc, o_row, o_col, storing,
+                     WG: gl.constexpr, CAUSAL: gl.constexpr,
                      HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      ALIBI: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
     """A persistent consumer's tile `done` (its Q in buffer done % 2, its key blocks from ring slot `ring` on): the
-    query block from row m0 with `window_steps`' counts (n_first, n_lo, n_full, n_steps), O and LSE stored from o_base
-    and lse_base. Releases Q (`q_empty`) after the tile's last step, before its epilogue."""
+    query block from row m0 with `window_steps`' counts (n_first, n_lo, n_full, n_steps), LSE stored from lse_base.
+    A warpgroup whose rows all lie before seqlen_q writes its O tile over its own rows of the Q buffer and hands it
+    to a TMA store (o_desc, from row o_row + its first, column o_col), and releases the buffer (`q_empty`) once the
+    store has read it: in the next tile, under its first matmul (`_fwd_block_pipelined`). Its rows of a last block
+    that runs past seqlen_q are stored from registers (masked), the buffer released before that. storing: whether the
+    previous tile left a store to wait for; returns the same for this one."""
     s_layout: gl.constexpr = zero_s.type.layout
     qb = done % 2
     q_s = q_bufs.index(qb).slice(WG * HALF_M, HALF_M)  # (HALF_M, D)
@@ -446,10 +471,21 @@ def _persistent_tile(q_bufs, done, ring, k_bufs, v_bufs, ready_k, ready_v, empty
     acc, m_i, l_i = _fwd_block_pipelined(q_s, q_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs, ready_k,
                                          ready_v, empty, zero_s, offs_m, offs_n, shift, key_lim, key_lo, n_lo, n_full,
                                          n_steps, qk_scale, cap_log2, alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES,
-                                         ALIBI, FOLD, SOFTCAP, WINDOW)
-    mbarrier.arrive(q_empty.index(qb))
-    _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, m0 + WG * HALF_M, seqlen_q, q_s.dtype,
-                  HEADDIM, HALF_M, 1.0, False)
+                                         ALIBI, FOLD, SOFTCAP, WINDOW, q_empty.index(1 - qb), storing)
+    row0 = m0 + WG * HALF_M
+    if row0 + HALF_M <= seqlen_q:
+        o_tile = _fwd_epilogue_lse(acc, m_i, l_i, LSE, lse_base, offs_m, seqlen_q)
+        q_s.store(o_tile.to(q_s.dtype))
+        fence_async_shared()
+        gl.thread_barrier()  # every thread's rows written before the store is issued
+        tma.async_copy_shared_to_global(o_desc, [o_row + WG * HALF_M, o_col], q_s)
+        storing = 1
+    else:
+        mbarrier.arrive(q_empty.index(qb))
+        _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, row0, seqlen_q, q_s.dtype,
+                      HEADDIM, HALF_M, 1.0, False)
+        storing = 0
+    return storing
 
 
 @gluon.jit
@@ -466,7 +502,8 @@ def _persistent_constants(HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
 def _fwd_consumer_persistent(q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
                              ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
                              stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2,
-                             SCHEDULE, schedule_rounds, window_left, WG: gl.constexpr, CAUSAL: gl.constexpr,
+                             SCHEDULE, schedule_rounds, window_left, o_desc, o_rows, o_cols, WG: gl.constexpr,
+                             CAUSAL: gl.constexpr,
                              HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr,
                              FOLD: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
@@ -474,6 +511,7 @@ def _fwd_consumer_persistent(q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_
     offs_key, zero_s = _persistent_constants(HALF_M, BLOCK_N)
     ring = 0
     done = 0
+    storing = 0  # the last tile's O is in its Q buffer, under a TMA store (`_persistent_tile`)
     for rnd in range(persistent_rounds(num_tiles, SCHEDULE, schedule_rounds)):
         tile = persistent_tile(rnd, SCHEDULE, schedule_rounds)
         if tile < num_tiles:
@@ -481,19 +519,21 @@ def _fwd_consumer_persistent(q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_
                 tile, num_tiles, seqlen_q, seqlen_k, nheads, group_size, window_left, CAUSAL, 2 * HALF_M, BLOCK_N,
                 HEAD_GROUP, WINDOW)
             alibi_log2 = head_slope_log2(ALIBI_SLOPES, off_b * stride_alibi_b + off_h, ALIBI)
-            _persistent_tile(q_bufs, done, ring, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, zero_s,
-                             offs_key, O, LSE, off_b * stride_ob + off_h * stride_oh, stride_os,
-                             off_b * stride_lse_b + off_h * stride_lse_h, m0, shift, n_first, n_lo, n_full, n_steps,
-                             seqlen_q, seqlen_k, qk_scale, cap_log2, alibi_log2, window_left, WG, CAUSAL, HEADDIM,
-                             HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP, WINDOW)
+            storing = _persistent_tile(
+                q_bufs, done, ring, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, zero_s, offs_key, O,
+                LSE, off_b * stride_ob + off_h * stride_oh, stride_os, off_b * stride_lse_b + off_h * stride_lse_h, m0,
+                shift, n_first, n_lo, n_full, n_steps, seqlen_q, seqlen_k, qk_scale, cap_log2, alibi_log2,
+                window_left, o_desc, off_b * o_rows[0] + off_h * o_rows[1] + m0, off_h * o_cols, storing, WG, CAUSAL,
+                HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP, WINDOW)
             ring += n_steps
             done += 1
+    tma.store_wait(0)  # the last tile's O written before the program's shared memory goes
 
 
 @gluon.jit
 def attn_fwd_hopper_kernel(
     q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, SEED_OFFSET, SCHEDULE, CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS,
-    TILE_COUNTER,
+    TILE_COUNTER, o_desc, o_rows, o_cols,  # o_*: the persistent forms' TMA stores of O (None otherwise)
     q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,  # (per batch, per head) of each view
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
     num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2, dropout_p, schedule_rounds, window_left,
@@ -508,16 +548,16 @@ def attn_fwd_hopper_kernel(
     if PERSISTENT and VARLEN:  # num_tiles: heads x VARLEN_BLOCKS' pairs, taken by tickets from TILE_COUNTER
         gl.static_assert(not DROPOUT, "the varlen form draws no dropout")
         _varlen_persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, TILE_COUNTER, VARLEN_BLOCKS,
-                               CU_SEQLENS_Q, CU_SEQLENS_K, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, stride_os,
-                               stride_oh, stride_lse_h, stride_alibi_b, num_tiles, nheads, group_size, qk_scale,
-                               cap_log2, window_left, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP,
-                               WINDOW)
+                               o_desc, o_rows, o_cols, CU_SEQLENS_Q, CU_SEQLENS_K, q_rows, q_cols, k_rows, k_cols,
+                               v_rows, v_cols, stride_os, stride_oh, stride_lse_h, stride_alibi_b, num_tiles, nheads,
+                               group_size, qk_scale, cap_log2, window_left, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES,
+                               ALIBI, FOLD, SOFTCAP, WINDOW)
         return
     if PERSISTENT:  # num_tiles: batch x heads x query blocks, which the programs take in turn
         gl.static_assert(not DROPOUT, "dropout runs one program per block")
-        _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols, k_rows, k_cols, v_rows,
-                        v_cols, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
-                        num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2, SCHEDULE,
+        _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, o_desc, o_rows, o_cols, q_rows, q_cols,
+                        k_rows, k_cols, v_rows, v_cols, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
+                        stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2, SCHEDULE,
                         schedule_rounds, window_left, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI,
                         FOLD, SOFTCAP, WINDOW)
         return
@@ -616,7 +656,8 @@ def attn_fwd_hopper_kernel(
 
 
 @gluon.jit
-def _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols,
+def _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, o_desc, o_rows, o_cols, q_rows, q_cols, k_rows,
+                    k_cols, v_rows, v_cols,
                     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
                     num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2, SCHEDULE, schedule_rounds,
                     window_left, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr,
@@ -633,13 +674,15 @@ def _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols
         (_fwd_consumer_persistent, (q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
                                     ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
                                     stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
-                                    cap_log2, SCHEDULE, schedule_rounds, window_left, 0, CAUSAL, HEADDIM, HALF_M,
-                                    BLOCK_N, STAGES, HEAD_GROUP, ALIBI, FOLD, SOFTCAP, WINDOW)),
+                                    cap_log2, SCHEDULE, schedule_rounds, window_left, o_desc, o_rows, o_cols, 0,
+                                    CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI, FOLD, SOFTCAP,
+                                    WINDOW)),
         (_fwd_consumer_persistent, (q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
                                     ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
                                     stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
-                                    cap_log2, SCHEDULE, schedule_rounds, window_left, 1, CAUSAL, HEADDIM, HALF_M,
-                                    BLOCK_N, STAGES, HEAD_GROUP, ALIBI, FOLD, SOFTCAP, WINDOW)),
+                                    cap_log2, SCHEDULE, schedule_rounds, window_left, o_desc, o_rows, o_cols, 1,
+                                    CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI, FOLD, SOFTCAP,
+                                    WINDOW)),
         (producer_persistent, (q_desc, None, k_desc, v_desc, q_bufs, None, k_bufs, v_bufs, ready_k, ready_v,
                                empty, q_ready, q_empty, q_rows, q_cols, None, None, k_rows, k_cols, v_rows,
                                v_cols, num_tiles, nheads, group_size, seqlen_q, seqlen_k, SCHEDULE,
@@ -648,7 +691,8 @@ def _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, q_rows, q_cols
 
 
 @gluon.jit
-def _varlen_persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, TILE_COUNTER, VARLEN_BLOCKS, CU_SEQLENS_Q,
+def _varlen_persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, TILE_COUNTER, VARLEN_BLOCKS, o_desc, o_rows,
+                           o_cols, CU_SEQLENS_Q,
                            CU_SEQLENS_K, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, stride_os, stride_oh,
                            stride_lse_h, stride_alibi_b, num_items, nheads, group_size, qk_scale, cap_log2,
                            window_left, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr,
@@ -664,7 +708,8 @@ def _varlen_persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, TILE_CO
     items = allocate_item_slots()
     fence_async_shared()
     consumer_args = (q_bufs, items, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE, ALIBI_SLOPES,
-                     stride_os, stride_oh, stride_lse_h, stride_alibi_b, qk_scale, cap_log2, window_left)
+                     stride_os, stride_oh, stride_lse_h, stride_alibi_b, qk_scale, cap_log2, window_left, o_desc,
+                     o_rows, o_cols)
     gl.warp_specialize([
         (_varlen_consumer, (consumer_args, 0, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP,
                             WINDOW)),
@@ -721,10 +766,11 @@ def _varlen_consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, HEADDIM: gl.c
     """`_fwd_consumer_persistent` over the items its producer hands it (common.read_item), until one says the work
     is done."""
     (q_bufs, items, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE, ALIBI_SLOPES, stride_os,
-     stride_oh, stride_lse_h, stride_alibi_b, qk_scale, cap_log2, window_left) = args
+     stride_oh, stride_lse_h, stride_alibi_b, qk_scale, cap_log2, window_left, o_desc, o_rows, o_cols) = args
     offs_key, zero_s = _persistent_constants(HALF_M, BLOCK_N)
     ring = 0
     done = 0
+    storing = 0  # the last item's O is in its Q buffer, under a TMA store (`_persistent_tile`)
     mbarrier.wait(q_ready.index(0), 0)
     more, head, seq, m0, q_first, _, seqlen_q, seqlen_k = read_item(items.index(0))
     while more:
@@ -732,15 +778,17 @@ def _varlen_consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, HEADDIM: gl.c
         n_first, n_lo, n_full, n_steps = window_steps(m0, shift, n_full, n_steps, window_left, 2 * HALF_M, BLOCK_N,
                                                       WINDOW)
         alibi_log2 = head_slope_log2(ALIBI_SLOPES, seq * stride_alibi_b + head, ALIBI)
-        _persistent_tile(q_bufs, done, ring, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, zero_s,
-                         offs_key, O, LSE, q_first * stride_os + head * stride_oh, stride_os,
-                         head * stride_lse_h + q_first, m0, shift, n_first, n_lo, n_full, n_steps, seqlen_q, seqlen_k,
-                         qk_scale, cap_log2, alibi_log2, window_left, WG, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES,
-                         ALIBI, FOLD, SOFTCAP, WINDOW)
+        storing = _persistent_tile(
+            q_bufs, done, ring, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, zero_s, offs_key, O, LSE,
+            q_first * stride_os + head * stride_oh, stride_os, head * stride_lse_h + q_first, m0, shift, n_first, n_lo,
+            n_full, n_steps, seqlen_q, seqlen_k, qk_scale, cap_log2, alibi_log2, window_left, o_desc,
+            q_first + head * o_rows[1] + m0, head * o_cols, storing, WG, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES,
+            ALIBI, FOLD, SOFTCAP, WINDOW)
         ring += n_steps
         done += 1
         mbarrier.wait(q_ready.index(done % 2), (done // 2) & 1)
         more, head, seq, m0, q_first, _, seqlen_q, seqlen_k = read_item(items.index(done % 2))
+    tma.store_wait(0)  # the last item's O written before the program's shared memory goes
 
 
 def dropout_registers() -> tuple[int, int, int]:
@@ -823,7 +871,7 @@ def attn_fwd_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, blocks, max_s
     persistent = varlen_persistent(headdim, options)
     counter = tile_counter(q.device) if persistent else None  # None in a graph capture: per block
     # a replay needs only the descriptors' base pointers: the (T, H, D) tensors stand for their (1, T, H, D) views
-    sources = (q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, blocks, counter)
+    sources = (q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, blocks, counter, out)
     if site is not None and replay(attn_fwd_hopper_kernel, (site, counter is None), sources, floats):
         return
     if window_left >= 0 and not causal:
@@ -837,13 +885,15 @@ def attn_fwd_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, blocks, max_s
     keys = block_n(headdim)
     k_desc, k_rows, k_cols = descriptor(k1, keys)
     v_desc, v_rows, v_cols = descriptor(v1, keys)
+    out1 = out.unsqueeze(0)
+    o_desc, o_rows, o_cols = descriptor(out1, HALF_M) if counter is not None else (None, (0, 0), 0)
     num_items = nheads * blocks.shape[1]
     grid = (num_items,) if counter is None else (min(num_items, sm_count(q.device)),)
     launch(
         attn_fwd_hopper_kernel, grid, q_desc, k_desc, v_desc, out, lse, alibi_slopes, None, None, cu_seqlens_q,
-        cu_seqlens_k, blocks, counter, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, 0, out.stride(0),
-        out.stride(1), 0, lse.stride(0), alibi_batch_stride(alibi_slopes), num_items, nheads, nheads // nheads_k, 0,
-        max_seqlen_k, qk_scale, cap_log2, no_dropout, 0, max(window_left, 0),
+        cu_seqlens_k, blocks, counter, o_desc, o_rows, o_cols, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, 0,
+        out.stride(0), out.stride(1), 0, lse.stride(0), alibi_batch_stride(alibi_slopes), num_items, nheads,
+        nheads // nheads_k, 0, max_seqlen_k, qk_scale, cap_log2, no_dropout, 0, max(window_left, 0),
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=keys, STAGES=STAGES, HEAD_GROUP=1,
         ALIBI=alibi_slopes is not None, PERSISTENT=counter is not None, FOLD=fold, SOFTCAP=cap_log2 > 0,
         CONSUMERS=consumers, DROPOUT=False,
@@ -851,7 +901,7 @@ def attn_fwd_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, blocks, max_s
         maxnreg=MAXNREG if consumers == 2 else MAXNREG_3, cached_launch=options.cached_launch,
         site=None if site is None else (site, counter is None),
         record=Record((site, counter is None), (q1, k1, v1, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                                                 blocks, counter), floats),
+                                                 blocks, counter, out1), floats),
     )
 
 
@@ -870,7 +920,7 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     cap_log2 * tanh(qk * qk_scale) with qk_scale = softmax_scale / softcap (ops._scales; `_softmax_update`).
     With a site whose launch is recorded (launch.Record, from its second launch), the call is a replay
     (launch.replay): the site stands for everything but the tensors and the floats."""
-    sources, floats = (q, k, v, out, lse, alibi_slopes, seed_offset), (qk_scale, cap_log2, dropout_p)
+    sources, floats = (q, k, v, out, lse, alibi_slopes, seed_offset, out), (qk_scale, cap_log2, dropout_p)
     if site is not None and replay(attn_fwd_hopper_kernel, site, sources, floats):
         return
     batch, seqlen_q, nheads, headdim = q.shape
@@ -897,6 +947,7 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     q_desc, q_rows, q_cols = descriptor(q, BLOCK_M if consumers == 2 else HALF_M)  # the kernel's Q_TILES
     k_desc, k_rows, k_cols = descriptor(k, keys)
     v_desc, v_rows, v_cols = descriptor(v, keys)
+    o_desc, o_rows, o_cols = descriptor(out, HALF_M) if persistent else (None, (0, 0), 0)
     num_m = cdiv(seqlen_q, block_m)
     num_tiles = batch * nheads * num_m
     order = head_group(causal, num_m, q.device, options.head_group)
@@ -920,9 +971,9 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
         maxnreg, consumer_regs, worker_regs = (MAXNREG if consumers == 2 else MAXNREG_3), 0, 0
     launch(
         attn_fwd_hopper_kernel, grid, q_desc, k_desc, v_desc, out, lse, alibi_slopes, seed_offset, schedule, None,
-        None, None, None, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes), num_tiles, nheads, nheads // nheads_k,
-        seqlen_q, seqlen_k, qk_scale, cap_log2, dropout_p, schedule_rounds, max(window_left, 0),
+        None, None, None, o_desc, o_rows, o_cols, q_rows, q_cols, k_rows, k_cols, v_rows, v_cols, out.stride(0),
+        out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes), num_tiles, nheads,
+        nheads // nheads_k, seqlen_q, seqlen_k, qk_scale, cap_log2, dropout_p, schedule_rounds, max(window_left, 0),
         CAUSAL=causal, HEADDIM=headdim, HALF_M=HALF_M, BLOCK_N=keys, STAGES=STAGES,
         HEAD_GROUP=order, ALIBI=alibi_slopes is not None, PERSISTENT=persistent,
         FOLD=fold, SOFTCAP=cap_log2 > 0, CONSUMERS=consumers, DROPOUT=dropout,
