@@ -235,7 +235,7 @@ def _step(i, g, m0, dk, dv, k_s, v_s, q_bufs, do_bufs, lse_bufs, delta_bufs, rea
     (KEY_TAIL: no causal mask, and seqlen_k not a multiple of BLOCK_N; every step takes it, since a branch on the
     program's key block between two loops made ptxas spill; a causal mask hides those keys by itself), 4 the causal
     sliding window's edge alone (`window_mask_t`). Under a WINDOW (causal, no dropout) masks 1 and 2 hide the keys
-    before each query's window too, 2 by a branch of its own per step; mask 2 takes both edges from `_visible_tile`
+    before each query's window too, 2 by a branch of its own per step; mask 2 takes its edges from `_visible_tile`
     with dropout or under a window. Queries past
     seqlen_q need no mask: their LSE is +inf (ops.attn_bwd_impl pads it), so their P is 0. FUSED_DQ: dQ's share of
     the step too (`_fused_dq`; dq_parts its buffers and barriers, else unused). DROPOUT: the step's keep word from
