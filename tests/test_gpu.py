@@ -759,6 +759,48 @@ def test_gluon_persistent_forward_windows_bit_identical(case, dtype, monkeypatch
 
 
 @needs_gluon
+@pytest.mark.parametrize("case", [
+    dict(lengths=(1024, 1024), heads=(8, 2), headdim=128, order="bshd"),  # every key block stored by TMA
+    dict(lengths=(1000, 1000), heads=(4, 4), headdim=128, order="bshd"),  # a last key block past seqlen_k
+    dict(lengths=(640, 1152), heads=(4, 2), headdim=64, order="bhsd"),  # Sq < Sk, (B, H, S, D) memory
+    dict(lengths=(384, 128), heads=(4, 1), headdim=128, order="bhsd", causal=True),  # rows that see no key
+    dict(lengths_q=[1, 17, 113, 1000, 300], lengths_k=[64, 17, 200, 1000, 513], heads=(8, 2), headdim=128),
+], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()).replace(" ", ""))
+def test_gluon_dkdv_tma_store_bit_identical(case, monkeypatch):
+    # The dK/dV stores key blocks that lie inside the sequence through V's shared memory and TMA stores, the rest
+    # from registers (sm90_dkdv._consumer): the same values, so dK and dV equal the register stores' bit for bit
+    forms = []
+
+    def record(*args, _launch=sm90_dkdv.launch, **launch_kwargs):
+        forms.append(launch_kwargs["STORE_TMA"])
+        return _launch(*args, **launch_kwargs)
+
+    monkeypatch.setattr(sm90_dkdv, "launch", record)
+    nheads, nheads_k = case["heads"]
+    causal = case.get("causal", True)
+    grads = {}
+    for store_tma in (False, True):
+        if "lengths_q" in case:
+            q, k, v, cu_q, cu_k = _varlen_qkv(case["lengths_q"], case["lengths_k"], nheads, nheads_k,
+                                               case["headdim"], torch.bfloat16)
+            with kernel_options.override(gluon_dkdv=True, dkdv_store_tma=store_tma):
+                out = flashpatch.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(case["lengths_q"]),
+                                                        max(case["lengths_k"]), causal=causal)
+        else:
+            q, k, v = _gluon_qkv(2, *case["lengths"], nheads, nheads_k, case["headdim"], case["order"],
+                                 torch.bfloat16)
+            with kernel_options.override(gluon_dkdv=True, dkdv_store_tma=store_tma):
+                out = flashpatch.flash_attn_func(q, k, v, causal=causal)
+        with kernel_options.override(gluon_dkdv=True, dkdv_store_tma=store_tma):
+            out.backward(torch.ones_like(out) + out.detach())
+        grads[store_tma] = (k.grad, v.grad)
+    assert forms == [False, True], forms
+    (dk0, dv0), (dk1, dv1) = grads[False], grads[True]
+    assert not torch.isnan(dk1).any() and dv1.abs().sum() > 0
+    assert torch.equal(dk0, dk1) and torch.equal(dv0, dv1)
+
+
+@needs_gluon
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", [
     dict(lengths_q=[1, 17, 113, 1000, 0, 300, 4095], heads=(8, 2), headdim=128, window=200),

@@ -60,12 +60,13 @@ def main():
         bm = args.block_m or hk.BLOCK_M[d]
         vec = f"tensordesc<fp32[{bm}],{gl.NVMMASharedLayout.get_default_for([bm], gl.float32)!r}>"
         descs = {"q_desc": desc(bm), "do_desc": desc(bm), "k_desc": desc(hk.BLOCK_N), "v_desc": desc(hk.BLOCK_N),
-                 "lse_desc": vec, "delta_desc": vec}
+                 "lse_desc": vec, "delta_desc": vec, "dk_desc": desc(hk.HALF_N), "dv_desc": desc(hk.HALF_N)}
         consts = dict(CAUSAL=args.causal, HEADDIM=d, BLOCK_M=bm, HALF_N=hk.HALF_N,
                       STAGES=args.stages or hk.STAGES,
                       HEAD_GROUP=args.head_group, REG_KV=hk.register_kv(d, args.dropout), LSE_FIRST=hk.lse_first(d),
                       CONSUMER_REGS=hk.consumer_registers(d, args.dropout),
-                      PRODUCER_REGS=hk.worker_registers(args.dropout), FUSED_DQ=False, DROPOUT=args.dropout, KEY_TAIL=args.key_tail or args.varlen)
+                      PRODUCER_REGS=hk.worker_registers(args.dropout), FUSED_DQ=False, DROPOUT=args.dropout,
+                      KEY_TAIL=args.key_tail or args.varlen, STORE_TMA=options.DEFAULT.dkdv_store_tma)
     elif args.kernel == "dkdv256":
         fn, maxnreg, d = hk256.attn_bwd_dkdv256_kernel, hk256.MAXNREG, hk256.HEADDIM
         bm = hk256.BLOCK_M

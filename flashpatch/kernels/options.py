@@ -43,6 +43,8 @@ class KernelOptions:
     register_kv: bool | None = None
     # The Gluon dK/dV's worker consumer setmaxnreg count; None: sm90.dkdv.consumer_registers.
     dkdv_consumer_registers: int | None = None
+    # The Gluon dK/dV storing dK and dV through shared memory and TMA stores (key blocks inside the sequence).
+    dkdv_store_tma: bool = True
     # The order of every 1-D grid, heads in groups of this many (0: all in one group); None: config.head_group.
     head_group: int | None = None
     # A varlen grid's sequences longest first (ops.varlen_blocks), or with False in batch order.

@@ -407,10 +407,11 @@ def _dq_reducer(args, BLOCK_M: gl.constexpr):
 def _consumer(args, ALIBI_SLOPES, dq_parts, keep_parts, WG: gl.constexpr, CAUSAL: gl.constexpr,
               KEY_TAIL: gl.constexpr, HEADDIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
               STAGES: gl.constexpr, ALIBI: gl.constexpr, SOFTCAP: gl.constexpr, REG_KV: gl.constexpr,
-              LSE_FIRST: gl.constexpr, FUSED_DQ: gl.constexpr, DROPOUT: gl.constexpr, WINDOW: gl.constexpr):
+              LSE_FIRST: gl.constexpr, FUSED_DQ: gl.constexpr, DROPOUT: gl.constexpr, WINDOW: gl.constexpr,
+              STORE_TMA: gl.constexpr):
     (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar, DK, DV, dk_base, stride_dks,
      dv_base, stride_dvs, alibi_base, n0, shift, seqlen_k, m_lo, m_end, total, group_size, qk_scale, cap_log2,
-     softmax_scale, window_left) = args
+     softmax_scale, window_left, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col) = args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])  # (keys, queries)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -485,7 +486,24 @@ def _consumer(args, ALIBI_SLOPES, dq_parts, keep_parts, WG: gl.constexpr, CAUSAL
         dv = dv * keep_parts[3]  # the kept Pᵀ dO, times 1 / (1 - p)
     dk_ptrs = DK + dk_base + offs_key[:, None] * stride_dks + offs_d[None, :]
     dv_ptrs = DV + dv_base + offs_key[:, None] * stride_dvs + offs_d[None, :]
-    if KEY_TAIL:  # the rows past seqlen_k are not stored (the mask costs registers: kept to where it is needed)
+    if STORE_TMA:  # through the warpgroup's rows of V (no other warp reads them): dV, then dK
+        if key0 + HALF_N <= seqlen_k:
+            buf = v_smem.slice(WG * HALF_N, HALF_N)  # (HALF_N, D)
+            buf.store(dv.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(dv_desc, [dv_row + WG * HALF_N, dv_col], buf)
+            tma.store_wait(0)
+            gl.thread_barrier()  # the store has read the rows before any thread writes dK over them
+            buf.store((dk * softmax_scale).to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(dk_desc, [dk_row + WG * HALF_N, dk_col], buf)
+            tma.store_wait(0)
+        else:
+            gl.store(dk_ptrs, (dk * softmax_scale).to(dtype), mask=(offs_key < seqlen_k)[:, None])
+            gl.store(dv_ptrs, dv.to(dtype), mask=(offs_key < seqlen_k)[:, None])
+    elif KEY_TAIL:  # the rows past seqlen_k are not stored (the mask costs registers: kept to where it is needed)
         gl.store(dk_ptrs, (dk * softmax_scale).to(dtype), mask=(offs_key < seqlen_k)[:, None])
         gl.store(dv_ptrs, dv.to(dtype), mask=(offs_key < seqlen_k)[:, None])
     else:
@@ -495,8 +513,9 @@ def _consumer(args, ALIBI_SLOPES, dq_parts, keep_parts, WG: gl.constexpr, CAUSAL
 
 @gluon.jit
 def attn_bwd_dkdv_hopper_kernel(
-    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, DK, DV, ALIBI_SLOPES, SEED_OFFSET,
+    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, DK, DV, dk_desc, dv_desc, ALIBI_SLOPES, SEED_OFFSET,
     CU_SEQLENS_Q, CU_SEQLENS_K, VARLEN_BLOCKS,  # varlen: (batch + 1,) int32 each, ops.varlen_blocks's (2, n)
+    dk_rows, dk_cols, dv_rows, dv_cols,
     q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, dq_rows, dq_cols,  # see rows_view
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lse_b, stride_lse_h,
     stride_alibi_b, nheads_k, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2, softmax_scale, dropout_p, window_left,
@@ -504,6 +523,7 @@ def attn_bwd_dkdv_hopper_kernel(
     HALF_N: gl.constexpr, STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr, SOFTCAP: gl.constexpr,
     REG_KV: gl.constexpr, LSE_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     FUSED_DQ: gl.constexpr, DROPOUT: gl.constexpr, VARLEN: gl.constexpr, WINDOW: gl.constexpr,
+    STORE_TMA: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = 2 * HALF_N
     # WINDOW: a causal sliding window of window_left keys: a key block's queries end where its last key leaves their
@@ -552,9 +572,16 @@ def attn_bwd_dkdv_hopper_kernel(
     dv_base = dv_first + off_hk * stride_dvh
     alibi_base = off_b * stride_alibi_b + off_h0  # the slopes of the GQA group's query heads follow
     # the partitions' runtime arguments as tuples, their constexprs apart (a constexpr in a tuple is not one)
+    if VARLEN:
+        dk_row = k_first + off_hk * dk_rows[1] + n0
+        dv_row = k_first + off_hk * dv_rows[1] + n0
+    else:
+        dk_row = off_b * dk_rows[0] + off_hk * dk_rows[1] + n0
+        dv_row = off_b * dv_rows[0] + off_hk * dv_rows[1] + n0
     consumer_args = (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, ready, empty, kv_bar, DK, DV,
                      dk_base, stride_dks, dv_base, stride_dvs, alibi_base, n0, shift, seqlen_k, m_lo, m_end, total,
-                     group_size, qk_scale, cap_log2, softmax_scale, window_left)
+                     group_size, qk_scale, cap_log2, softmax_scale, window_left, dk_desc, dv_desc, dk_row,
+                     off_hk * dk_cols, dv_row, off_hk * dv_cols)
     producer_args = (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
                      delta_bufs, k_smem, v_smem, ready, empty, kv_bar,
                      q_first + off_h0 * q_rows[1], q_rows[1], off_h0 * q_cols, q_cols,
@@ -569,9 +596,9 @@ def attn_bwd_dkdv_hopper_kernel(
     if FUSED_DQ and DROPOUT:
         gl.warp_specialize([
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
+                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW, STORE_TMA)),
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
+                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW, STORE_TMA)),
             (dkdv_producer, (producer_args, BLOCK_M, STAGES)),
             (_dq_reducer, (reducer_args, BLOCK_M)),
             (_keep_drawer, (drawer_args, 0, BLOCK_M, HALF_N)),
@@ -580,18 +607,18 @@ def attn_bwd_dkdv_hopper_kernel(
     elif FUSED_DQ:
         gl.warp_specialize([
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
+                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW, STORE_TMA)),
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
+                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW, STORE_TMA)),
             (dkdv_producer, (producer_args, BLOCK_M, STAGES)),
             (_dq_reducer, (reducer_args, BLOCK_M)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     elif DROPOUT:  # a drawer partition (two warps) per consumer, each with its consumer's keys
         gl.warp_specialize([
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
+                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW, STORE_TMA)),
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
+                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW, STORE_TMA)),
             (dkdv_producer, (producer_args, BLOCK_M, STAGES)),
             (_keep_drawer, (drawer_args, 0, BLOCK_M, HALF_N)),
             (_keep_drawer, (drawer_args, 1, BLOCK_M, HALF_N)),
@@ -599,9 +626,9 @@ def attn_bwd_dkdv_hopper_kernel(
     else:
         gl.warp_specialize([
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 0, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
+                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW, STORE_TMA)),
             (_consumer, (consumer_args, ALIBI_SLOPES, dq_parts, keep_parts, 1, CAUSAL, KEY_TAIL, HEADDIM, BLOCK_M,
-                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW)),
+                         HALF_N, STAGES, ALIBI, SOFTCAP, REG_KV, LSE_FIRST, FUSED_DQ, DROPOUT, WINDOW, STORE_TMA)),
             (dkdv_producer, (producer_args, BLOCK_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -701,8 +728,8 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     cu_seqlens_q, cu_seqlens_k, blocks = (None, None, None) if varlen is None else varlen
     floats = (qk_scale, cap_log2, softmax_scale, dropout_p)
     if site is not None and replay(attn_bwd_dkdv_hopper_kernel, site, (
-            q, dout, k, v, lse, delta, dq_accum, dk, dv, alibi_slopes, seed_offset, cu_seqlens_q, cu_seqlens_k,
-            blocks), floats, stream):
+            q, dout, k, v, lse, delta, dq_accum, dk, dv, dk, dv, alibi_slopes, seed_offset, cu_seqlens_q,
+            cu_seqlens_k, blocks), floats, stream):
         return
     if varlen is not None:
         if dropout_p > 0:
@@ -740,6 +767,12 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     assert delta.stride() == lse.stride() and lse.stride(-1) == 1, (lse.stride(), delta.stride())
     lse_desc, delta_desc = vector_descriptor(lse, block_m), vector_descriptor(delta, block_m)
     dq_desc, dq_rows, dq_cols = fp32_descriptor(dq_accum, block_m) if fused else (None, (0, 0), 0)
+    store_tma = options.dkdv_store_tma and not dropout  # with dropout ptxas spilled 392 B a thread (164 before)
+    if store_tma:
+        dk_desc, dk_rows, dk_cols = descriptor(dk, HALF_N)
+        dv_desc, dv_rows, dv_cols = descriptor(dv, HALF_N)
+    else:
+        dk_desc, dk_rows, dk_cols, dv_desc, dv_rows, dv_cols = None, (0, 0), 0, None, (0, 0), 0
     if varlen is not None:  # the kernel reads each sequence's lengths from cu_seqlens
         grid, seqlen_q, seqlen_k, order = (nheads_k * blocks.shape[1],), 0, 0, 1
     else:
@@ -748,7 +781,8 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     reg_kv, consumer_regs = options.register_kv, options.dkdv_consumer_registers
     launch(
         attn_bwd_dkdv_hopper_kernel, grid, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc, dk, dv,
-        alibi_slopes, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks,
+        dk_desc, dv_desc, alibi_slopes, seed_offset, cu_seqlens_q, cu_seqlens_k, blocks,
+        dk_rows, dk_cols, dv_rows, dv_cols,
         q_rows, q_cols, do_rows, do_cols, k_rows, k_cols, v_rows, v_cols, dq_rows, dq_cols,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         lse.stride(0), lse.stride(1), alibi_batch_stride(alibi_slopes),
@@ -761,8 +795,8 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
         LSE_FIRST=lse_first(headdim),
         CONSUMER_REGS=consumer_registers(headdim, dropout) if consumer_regs is None else consumer_regs,
         PRODUCER_REGS=worker_registers(dropout), FUSED_DQ=fused, DROPOUT=dropout, VARLEN=varlen is not None,
-        WINDOW=window_left >= 0,
+        WINDOW=window_left >= 0, STORE_TMA=store_tma,
         num_warps=4, maxnreg=launch_maxnreg(dropout), cached_launch=options.cached_launch, on_stream=stream,
-        site=site, record=Record(site, (q, dout, k, v, lse, delta, dq_accum, dk, dv, alibi_slopes, seed_offset,
-                                        cu_seqlens_q, cu_seqlens_k, blocks), floats),
+        site=site, record=Record(site, (q, dout, k, v, lse, delta, dq_accum, dk, dv, dk, dv, alibi_slopes,
+                                        seed_offset, cu_seqlens_q, cu_seqlens_k, blocks), floats),
     )
