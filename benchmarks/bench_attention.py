@@ -112,6 +112,8 @@ def build_cases(quick: bool, seqlens: tuple[int, ...] | None = None) -> list[Cas
     for n in (4096,) if quick else (2048, 8192):
         cases.append(Case(f"d128 causal GQA 16/4 N={n}", tokens // n, 16, 4, n, 128, True))
         cases.append(Case(f"d128 causal dropout0.1 N={n}", tokens // n, 16, 16, n, 128, True, dropout=0.1))
+    if not quick:  # the attention of configs/llama_125m.yaml (12 query heads, 4 K/V heads of 64, rows of 2048)
+        cases.append(Case("d64 causal GQA 12/4 N=2048", 8, 12, 4, 2048, 64, True))
     cases.append(Case("d128 causal ALiBi N=4096", 4, 16, 16, 4096, 128, True, alibi=True))
     cases.append(Case("d128 causal N=4096 BHSD memory", 4, 16, 16, 4096, 128, True, bhsd=True))
     if not quick:  # sliding windows: Mistral's 4096 at 16k with GQA 32/8, and 1024 at 8k

@@ -503,7 +503,7 @@ def _bwd_plan(q, k, v, dout, varlen, batch, max_seqlen_q, max_seqlen_k, window_l
                        window_right=window_right, softcap=softcap, dropout_p=dropout_p)
     dkdv_kernel = _gluon_dkdv(headdim)
     gluon_dkdv = cfgs.gluon_dkdv and dkdv_kernel is not None and dkdv_kernel.supported(q, k, v, dout, **gluon_scope)
-    fuses_dq = gluon_dkdv and dkdv_kernel.fuses_dq(headdim, dropout_p > 0)  # whether the Gluon dK/dV could add dQ
+    fuses_dq = gluon_dkdv and dkdv_kernel.fuses_dq(headdim, dropout_p > 0, opts)  # whether the Gluon dK/dV could add dQ
     fused_dq = not deterministic and cfgs.fused_dq and gluon_dkdv and fuses_dq
     # config's atomic dQ is the Triton dK/dV's, taken with dropout to spare the dQ pass its second draw; where the
     # Gluon dK/dV draws the bits, its fused dQ or the separate pass beside it is faster

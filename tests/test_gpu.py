@@ -402,6 +402,11 @@ def _spy_fused_dq(monkeypatch) -> list:
     (2, 1000, 1000, 4, 2, 128, True, "bshd", False),
     (1, 113, 1000, 4, 1, 128, False, "bhsd", False),
     (2, 1000, 777, 4, 2, 128, False, "bshd", True),
+    # head dim 64: K read from shared memory for dS K (sm90_dkdv.register_kv)
+    (2, 1024, 1024, 12, 4, 64, True, "bshd", False),
+    (2, 1000, 1000, 4, 2, 64, True, "bhsd", False),
+    (1, 384, 128, 4, 1, 64, True, "bshd", False),  # Sq > Sk: the first 256 queries see no key
+    (1, 113, 1000, 4, 2, 64, False, "bshd", True),
 ], ids=_gluon_id)
 def test_gluon_dkdv_fused_dq_matches_float64_bf16(case, monkeypatch):
     # The Gluon dK/dV adds dQ into the fp32 buffer itself (sm90_dkdv._fused_dq, _dq_reducer: dS split along D
@@ -412,7 +417,7 @@ def test_gluon_dkdv_fused_dq_matches_float64_bf16(case, monkeypatch):
     if alibi:
         kwargs["alibi_slopes"] = _geometric_slopes(batch, nheads)
     fused = _spy_fused_dq(monkeypatch)
-    with kernel_options.override(fused_dq=True):
+    with kernel_options.override(fused_dq=True, gluon_dkdv=True):  # at head dim 64 short causal rows run Triton's
         out = flashpatch.flash_attn_func(q, k, v, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -618,10 +623,10 @@ def test_gluon_varlen_matches_float64(case, dtype, dq_form, monkeypatch):
     # The Gluon kernels on a varlen batch: a program per (sequence, block) pair and head, the packed rows as the TMA
     # views' rows. A forward or dQ tile past a sequence's end reads the next sequence's rows, masked as a dense row's
     # last tile; dK/dV gives those rows an LSE of +inf (sm90_dkdv._row_lse) and stores no key past the end. The
-    # fused form adds dQ from dK/dV's TMA reduce-adds (head dim 128), whose rows past a sequence's end add zeros
-    # into the next one's.
+    # fused form adds dQ from dK/dV's TMA reduce-adds, whose rows past a sequence's end add zeros into the next
+    # one's.
     if dq_form == "fused_dq" and not sm90_dkdv.fuses_dq(case["headdim"]):
-        pytest.skip(f"the Gluon dK/dV fuses dQ at head dim 128, not {case['headdim']}")
+        pytest.skip("this Triton's Gluon issues no TMA reduce-adds (sm90.common.TMA_REDUCE)")
     launches = _record_launches(monkeypatch, [(sm90_fwd, "attn_fwd_varlen"), (sm90_dkdv, "attn_bwd_dkdv"),
                                               (sm90_dq, "attn_bwd_dq")], "varlen")
     lengths_q = case["lengths_q"]
@@ -699,19 +704,16 @@ GLUON_WINDOW_CASES = [
 @pytest.mark.parametrize("dq_form", ["dq_pass", "fused_dq"])
 def test_gluon_window_matches_float64(case, dtype, dq_form, monkeypatch):
     # common.window_steps: a query block's K/V stream starts at the first key block its first row sees, the blocks
-    # on the window's left edge masked; dK/dV's query range ends where its last key leaves the windows. At head dim
-    # 128 windows take the fused dQ by default (config's `windowed`), its reduce-adds covering the same query range
+    # on the window's left edge masked; dK/dV's query range ends where its last key leaves the windows. The fused
+    # dQ's reduce-adds cover the same query range (at head dim 128 windows take it by default: config's `windowed`)
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, window_left = case
     fused = dq_form == "fused_dq"
     if fused and not sm90_dkdv.fuses_dq(headdim):
-        pytest.skip(f"the Gluon dK/dV fuses dQ at head dim 128, not {headdim}")
+        pytest.skip("this Triton's Gluon issues no TMA reduce-adds (sm90.common.TMA_REDUCE)")
     calls = _record_launches(monkeypatch, keyword="window_left")
     q, k, v = _gluon_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, "bshd", dtype)
     kwargs = dict(causal=True, window_size=(window_left, 0))
-    overrides = dict(gluon_fwd=True, gluon_dkdv=True, gluon_dq=True)
-    if not fused:  # else config's default: the fused dQ
-        overrides["fused_dq"] = False
-    with kernel_options.override(**overrides):
+    with kernel_options.override(gluon_fwd=True, gluon_dkdv=True, gluon_dq=True, fused_dq=fused):
         out = flashpatch.flash_attn_func(q, k, v, **kwargs)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -810,7 +812,7 @@ def test_gluon_dkdv_tma_store_bit_identical(case, monkeypatch):
 @pytest.mark.parametrize("dq_form", ["dq_pass", "fused_dq"])
 def test_gluon_varlen_window_matches_float64(case, dtype, dq_form, monkeypatch):
     if dq_form == "fused_dq" and not sm90_dkdv.fuses_dq(case["headdim"]):
-        pytest.skip(f"the Gluon dK/dV fuses dQ at head dim 128, not {case['headdim']}")
+        pytest.skip("this Triton's Gluon issues no TMA reduce-adds (sm90.common.TMA_REDUCE)")
     lengths_q = case["lengths_q"]
     lengths_k = case.get("lengths_k", lengths_q)
     nheads, nheads_k = case["heads"]
@@ -996,7 +998,7 @@ def test_gluon_softcap_forms_match_float64_bf16(case, form, monkeypatch):
     # the dQ that the dK/dV adds itself, and the Gluon forward before the Triton backward (which recomputes P with
     # its own tanh)
     if form == "fused_dq" and not sm90_dkdv.fuses_dq(case[5]):
-        pytest.skip(f"the Gluon dK/dV fuses dQ at head dim 128, not {case[5]}")
+        pytest.skip("this Triton's Gluon issues no TMA reduce-adds (sm90.common.TMA_REDUCE)")
     options = {"fused_dq": dict(fused_dq=True), "triton_backward": dict(gluon_dkdv=False, gluon_dq=False)}[form]
     launched = _check_softcap_case(case, torch.bfloat16, monkeypatch, **options)
     assert "attn_fwd" in launched and ("attn_bwd_dkdv" in launched) == (form != "triton_backward"), launched

@@ -184,15 +184,17 @@ def test_atomic_dq_only_for_masked_d128_dropout_without_gqa():
 
 
 def test_fused_dq_only_for_rows_with_long_keys_and_windows():
-    # config.py (docs/tuning.md): the Gluon dK/dV's fused dQ won where a query sees LONG_KEYS keys or more
-    # on average, with or without a mask or GQA, and under sliding windows; at head dim 64 only with dropout; never at
-    # 256 or in the interpreter
+    # config.py (docs/tuning.md): at head dim 128 the Gluon dK/dV's fused dQ won where a query sees LONG_KEYS keys
+    # or more on average, with or without a mask or GQA, and under sliding windows; at head dim 64 without dropout
+    # at any length but under windows (not measured there), with dropout where keys are long; never at 256 or in the
+    # interpreter
     def fused(headdim=128, is_cuda=True, long_keys=True, **flags):
         return kernel_config.configs_for(headdim, is_cuda, aligned=True, long_keys=long_keys, **flags).fused_dq
     assert fused() and fused(masked=True) and fused(grouped=True) and fused(masked=True, grouped=True)
     assert not fused(long_keys=False)
     assert not fused(masked=True, long_keys=False, short=True)
-    assert not fused(headdim=64) and not fused(headdim=256)
+    assert fused(headdim=64) and fused(headdim=64, long_keys=False, masked=True, grouped=True, varlen=True)
+    assert not fused(headdim=256)
     assert fused(headdim=64, dropout=True) and not fused(headdim=64, dropout=True, long_keys=False)
     assert not fused(is_cuda=False)
     # sliding windows at head dim 128 whatever their width (ops._mean_keys_seen counts them as 0 keys)
@@ -204,19 +206,20 @@ def test_fused_dq_only_for_rows_with_long_keys_and_windows():
     assert long_causal == [False, True, True]
 
 
-@pytest.mark.parametrize("headdim,accum_dtype,accum_rows", [(64, torch.float32, 17), (128, torch.bfloat16, 17),
-                                                             (128, torch.float32, 16)])
-def test_gluon_dkdv_refuses_a_dq_buffer_it_cannot_add_into(headdim, accum_dtype, accum_rows):
-    # the fused dQ (sm90_dkdv.fuses_dq) is head dim 128 (64 only with dropout) and adds into an fp32 buffer shaped
-    # like q; anything else is refused before a descriptor is built, so it fails the same on a CPU
+@pytest.mark.parametrize("headdim,accum_dtype,accum_rows,register_kv", [
+    (64, torch.float32, 17, True), (128, torch.bfloat16, 17, None), (128, torch.float32, 16, None)])
+def test_gluon_dkdv_refuses_a_dq_buffer_it_cannot_add_into(headdim, accum_dtype, accum_rows, register_kv):
+    # the fused dQ (sm90_dkdv.fuses_dq) reads K from shared memory (not with register_kv forced on) and adds into an
+    # fp32 buffer shaped like q; anything else is refused before a descriptor is built, so it fails the same on a CPU
     from flashpatch.kernels.sm90 import dkdv as sm90_dkdv
 
     q, k, v = random_qkv(1, 17, 17, 2, 1, headdim, torch.float16, requires_grad=False)
     lse = torch.zeros(1, 2, 17)
     accum = torch.zeros(1, accum_rows, 2, headdim, dtype=accum_dtype)
+    options = kernel_options.KernelOptions(register_kv=register_kv)
     with pytest.raises(ValueError, match="fuses_dq|dq_accum must be float32"):
         sm90_dkdv.attn_bwd_dkdv(q, k, v, q, lse, lse.clone(), k.clone(), v.clone(), 1.0, 1.0, True,
-                                  dq_accum=accum)
+                                  dq_accum=accum, options=options)
 
 
 @pytest.mark.parametrize("headdim", [64, 128])

@@ -15,7 +15,8 @@ mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
 if ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c "import datasets" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  python3 -m pip install -q --no-index --find-links .whl --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site datasets dill multiprocess \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 ngpus=$(nvidia-smi -L | wc -l)

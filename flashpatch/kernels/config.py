@@ -133,11 +133,14 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
             # it pads (varlen mix: 282 TFLOP/s fwd+bwd against 254).
             gluon_fwd=not short,
             gluon_dq=varlen or dropout,
-            # with dropout the dK/dV reads K from shared memory and can add dQ itself, sparing the dQ pass its
-            # second draw of the keep bits: the backward at causal n8192 9.41 -> 4.67 ms (docs/tuning.md)
-            fused_dq=dropout and long_keys,
-            # The Gluon dK/dV wins with GQA and without a mask; on short causal rows the Triton one keeps a small
-            # lead.
+            # The dK/dV adds dQ itself (reading K from shared memory, sm90.dkdv.register_kv): without dropout
+            # wherever the Gluon dK/dV runs (bwd TFLOP/s, causal n2048 297 -> 336, full n2048 373 -> 388, the varlen
+            # mix 287 -> 308; sliding windows not measured, so not there); with dropout from long rows on, sparing
+            # the dQ pass its second draw of the keep bits (causal n8192 9.41 -> 4.67 ms; docs/tuning.md)
+            fused_dq=long_keys if dropout else not windowed,
+            # The Gluon dK/dV wins with GQA and without a mask; short causal rows keep the Triton one, measured
+            # ahead there before the Gluon one stored by TMA (since then, at n1024 bwd 204 against 213 TFLOP/s;
+            # shorter rows not measured).
             gluon_dkdv=not (masked and short),
         )
     elif block_d <= 128 and masked:

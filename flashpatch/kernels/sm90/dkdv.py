@@ -644,14 +644,15 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
                          with_varlen=True, with_window=True, with_softcap=dropout_p == 0)
 
 
-def register_kv(headdim: int, dropout: bool = False) -> bool:
+def register_kv(headdim: int, dropout: bool = False, fused: bool = False) -> bool:
     """Whether `_consumer` holds its K and V rows in registers, so that the K Qᵀ and V dOᵀ matmuls read only Qᵀ
     and dOᵀ from shared memory (from shared memory, an m64n64 wgmma needs both operands' 4 KB per 32 cycles, the
     shared memory's whole 128 B per cycle). At head dim 64 that is 32 registers a thread; at head dim 128, 64
     registers, and the kernel spills. Under the causal mask it runs as two loops per head (`_consumer`), since
     skipping the mask by a branch inside the step miscompiled with K and V in registers; with dropout, unmasked rows
-    came out with wrong dK the same way, and K and V from shared memory tie (docs/tuning.md, "Gluon dK/dV")."""
-    return headdim <= 64 and not dropout
+    came out with wrong dK the same way, and K and V from shared memory tie (docs/tuning.md, "Gluon dK/dV"). With a
+    fused dQ (`fused`), dQ = dS K reads K from shared memory, and the fused dQ outweighs the register operands."""
+    return headdim <= 64 and not dropout and not fused
 
 
 def lse_first(headdim: int) -> bool:
@@ -697,13 +698,13 @@ def launch_maxnreg(dropout: bool) -> int:
     return MAXNREG_DROPOUT if dropout else MAXNREG
 
 
-def fuses_dq(headdim: int, dropout: bool = False) -> bool:
-    """Whether the kernel can add dQ into an fp32 buffer itself (`_fused_dq`, `_dq_reducer`): where K is read from
-    shared memory (head dim 128, and 64 with dropout; at 64 without it K is held in registers, `register_kv`), and a
-    Triton whose Gluon can issue TMA reduce-adds (common.TMA_REDUCE). With dropout, the keep words' ring then has one
-    slot per consumer (1 KB; at head dim 128 the shared memory is all but full), released once the step's dS is
+def fuses_dq(headdim: int, dropout: bool = False, options: KernelOptions = DEFAULT) -> bool:
+    """Whether the kernel can add dQ into an fp32 buffer itself (`_fused_dq`, `_dq_reducer`): at head dims 64 and
+    128, K then read from shared memory (`register_kv`; not where options.register_kv forces K into registers), with
+    a Triton whose Gluon can issue TMA reduce-adds (common.TMA_REDUCE). With dropout, the keep words' ring then has
+    one slot per consumer (1 KB; at head dim 128 the shared memory is all but full), released once the step's dS is
     shared (`_step`)."""
-    return TMA_REDUCE and not register_kv(headdim, dropout)
+    return TMA_REDUCE and options.register_kv is not True
 
 
 def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_scale: float, causal: bool,
@@ -749,9 +750,9 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     fused = dq_accum is not None
     dropout = dropout_p > 0
-    if fused and not fuses_dq(headdim, dropout):
-        raise ValueError(f"the Gluon dK/dV adds dQ itself only where fuses_dq (head dim 128, or 64 with dropout), not "
-                         f"at head dim {headdim} with dropout_p={dropout_p}")
+    if fused and not fuses_dq(headdim, dropout, options):
+        raise ValueError(f"the Gluon dK/dV adds dQ itself only with K in shared memory (fuses_dq), not with "
+                         f"register_kv={options.register_kv}")
     if dropout and seed_offset is None:
         raise ValueError(f"the Gluon dK/dV draws dropout from a seed_offset tensor, got dropout_p={dropout_p} with "
                          f"seed_offset=None")
@@ -791,7 +792,7 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
         CAUSAL=causal, KEY_TAIL=varlen is not None or seqlen_k % BLOCK_N != 0, HEADDIM=headdim, BLOCK_M=block_m,
         HALF_N=HALF_N, STAGES=STAGES, HEAD_GROUP=order,
         ALIBI=alibi_slopes is not None, SOFTCAP=cap_log2 > 0,
-        REG_KV=register_kv(headdim, dropout) if reg_kv is None else reg_kv,
+        REG_KV=register_kv(headdim, dropout, fused) if reg_kv is None else reg_kv,
         LSE_FIRST=lse_first(headdim),
         CONSUMER_REGS=consumer_registers(headdim, dropout) if consumer_regs is None else consumer_regs,
         PRODUCER_REGS=worker_registers(dropout), FUSED_DQ=fused, DROPOUT=dropout, VARLEN=varlen is not None,

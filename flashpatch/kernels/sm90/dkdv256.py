@@ -210,7 +210,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Ten
                          with_softcap=True, headdims=(HEADDIM, ))
 
 
-def fuses_dq(headdim: int, dropout: bool = False) -> bool:
+def fuses_dq(headdim: int, dropout: bool = False, options: KernelOptions = DEFAULT) -> bool:
     """Whether the kernel can add dQ itself (dkdv.fuses_dq): never; dQ is the separate pass."""
     return False
 
