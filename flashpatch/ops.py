@@ -251,7 +251,7 @@ def _aligned(varlen: bool, headdim: int, max_seqlen_q: int, max_seqlen_k: int) -
 
 
 def _launch_configs(q: torch.Tensor, k: torch.Tensor, varlen: bool, max_seqlen_q: int, max_seqlen_k: int,
-                    window_left: int, window_right: int, dropout_p: float,
+                    window_left: int, window_right: int, dropout_p: float, softcap: float,
                     opts: kernel_options.KernelOptions) -> kernel_config.KernelConfigs:
     """config.py's launch settings for one call, forward or backward (the same inputs pick the same settings), with
     the KernelConfigs fields that `opts` sets on top."""
@@ -261,7 +261,7 @@ def _launch_configs(q: torch.Tensor, k: torch.Tensor, varlen: bool, max_seqlen_q
     return kernel_config.configs_for(headdim, q.is_cuda, window_left >= 0 or window_right >= 0, dropout_p > 0,
                                      _aligned(varlen, headdim, max_seqlen_q, max_seqlen_k),
                                      max_seqlen_q <= kernel_config.SHORT, q.shape[-2] != k.shape[-2], long_keys,
-                                     varlen, window_left >= 0, fields=opts.config_fields)
+                                     varlen, window_left >= 0, softcap > 0, fields=opts.config_fields)
 
 
 def _mean_keys_seen(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int) -> float:
@@ -356,7 +356,8 @@ class _FwdPlan:
 
 def _fwd_plan(q, k, v, out, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, softcap, dropout_p,
               opts, key) -> _FwdPlan:
-    cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p, opts)
+    cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p, softcap,
+                           opts)
     gluon = cfgs.gluon_fwd and sm90_fwd is not None and sm90_fwd.supported(
         q, k, v, varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
         window_right=window_right, softcap=softcap, dropout_p=dropout_p)
@@ -497,7 +498,8 @@ def _bwd_plan(q, k, v, dout, varlen, batch, max_seqlen_q, max_seqlen_k, window_l
               dropout_p, deterministic, opts, key) -> _BwdPlan:
     """attn_bwd_impl's decisions, from what _plan_key holds."""
     headdim, nheads = q.shape[-1], q.shape[-2]
-    cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p, opts)
+    cfgs = _launch_configs(q, k, varlen, max_seqlen_q, max_seqlen_k, window_left, window_right, dropout_p, softcap,
+                           opts)
     # The Gluon Hopper kernels take the calls in their scope (sm90.common.sm90_dense_ok), the Triton ones the rest
     gluon_scope = dict(varlen=varlen, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, window_left=window_left,
                        window_right=window_right, softcap=softcap, dropout_p=dropout_p)

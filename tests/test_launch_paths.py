@@ -186,14 +186,15 @@ def test_atomic_dq_only_for_masked_d128_dropout_without_gqa():
 def test_fused_dq_only_for_rows_with_long_keys_and_windows():
     # config.py (docs/tuning.md): at head dim 128 the Gluon dK/dV's fused dQ won where a query sees LONG_KEYS keys
     # or more on average, with or without a mask or GQA, and under sliding windows; at head dim 64 without dropout
-    # at any length but under windows (not measured there), with dropout where keys are long; never at 256 or in the
-    # interpreter
+    # at any length but under windows or softcap (not measured there), with dropout where keys are long; never at 256
+    # or in the interpreter
     def fused(headdim=128, is_cuda=True, long_keys=True, **flags):
         return kernel_config.configs_for(headdim, is_cuda, aligned=True, long_keys=long_keys, **flags).fused_dq
     assert fused() and fused(masked=True) and fused(grouped=True) and fused(masked=True, grouped=True)
     assert not fused(long_keys=False)
     assert not fused(masked=True, long_keys=False, short=True)
     assert fused(headdim=64) and fused(headdim=64, long_keys=False, masked=True, grouped=True, varlen=True)
+    assert not fused(headdim=64, softcapped=True) and fused(headdim=128, softcapped=True)
     assert not fused(headdim=256)
     assert fused(headdim=64, dropout=True) and not fused(headdim=64, dropout=True, long_keys=False)
     assert not fused(is_cuda=False)
@@ -395,18 +396,21 @@ def test_gluon_kernels_chosen_where_they_measured_faster():
         assert on.gluon_fwd and on.gluon_dkdv and on.gluon_dq
         off = kernel_config.configs_for(128, False, masked=masked)
         assert not (off.gluon_fwd or off.gluon_dkdv or off.gluon_dq)
-    # head dim 64: the forward and dK/dV past SHORT, and dK/dV on short unmasked rows, with or
-    # without GQA; never the dQ pass
+    # head dim 64: the forward past SHORT, dK/dV on every dense row, with or without GQA; never the dQ pass. With
+    # dropout, and on varlen batches, short causal rows keep the Triton dK/dV
     for masked, short, expected in ((False, False, (True, True)), (False, True, (False, True)),
-                                    (True, False, (True, True)), (True, True, (False, False))):
+                                    (True, False, (True, True)), (True, True, (False, True))):
         for grouped in (False, True):
             cfg = kernel_config.configs_for(64, True, masked=masked, aligned=True, short=short, grouped=grouped)
             assert (cfg.gluon_fwd, cfg.gluon_dkdv) == expected and not cfg.gluon_dq, (masked, short, grouped)
+            packed = kernel_config.configs_for(64, True, masked=masked, short=short, grouped=grouped, varlen=True)
+            assert packed.gluon_dkdv == (not (masked and short)), (masked, short, grouped)
     # with dropout the same forward rule, masked or not (its drawers beside two consumers), and the Gluon dQ
     for masked in (False, True):
         cfg = kernel_config.configs_for(64, True, masked=masked, dropout=True, aligned=True)
         assert cfg.gluon_fwd and cfg.gluon_dq, masked
-        assert not kernel_config.configs_for(64, True, masked=masked, dropout=True, aligned=True, short=True).gluon_fwd
+        short = kernel_config.configs_for(64, True, masked=masked, dropout=True, aligned=True, short=True)
+        assert not short.gluon_fwd and short.gluon_dkdv == (not masked)
 
 
 def test_d64_masked_dq_tile_varlen_apart_from_ragged_dense_rows():
@@ -679,10 +683,10 @@ def test_options_refuse_unknown_names_and_bad_values():
 
 def test_options_config_fields_reach_the_launch_settings():
     q, k, v = random_qkv(1, 17, 17, 2, 1, 32, torch.float32, requires_grad=False)
-    measured = ops._launch_configs(q, k, False, 17, 17, -1, -1, 0.0, kernel_options.DEFAULT)
+    measured = ops._launch_configs(q, k, False, 17, 17, -1, -1, 0.0, 0.0, kernel_options.DEFAULT)
     forced = kernel_options.updated(kernel_options.DEFAULT, atomic_dq=not measured.atomic_dq,
                                     fwd=LaunchConfig(16, 16))
-    cfgs = ops._launch_configs(q, k, False, 17, 17, -1, -1, 0.0, forced)
+    cfgs = ops._launch_configs(q, k, False, 17, 17, -1, -1, 0.0, 0.0, forced)
     assert cfgs.atomic_dq != measured.atomic_dq and cfgs.fwd == LaunchConfig(16, 16)
     assert cfgs.bwd_dq == measured.bwd_dq
 

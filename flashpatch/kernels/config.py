@@ -65,18 +65,20 @@ LONG_KEYS_DROPOUT = 1024  # the same with dropout (KernelConfigs.fused_dq: measu
 
 def configs_for(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool = False,
                 aligned: bool = False, short: bool = False, grouped: bool = False,
-                long_keys: bool = False, varlen: bool = False, windowed: bool = False,
+                long_keys: bool = False, varlen: bool = False, windowed: bool = False, softcapped: bool = False,
                 fields: Mapping = MappingProxyType({})) -> KernelConfigs:
     """`measured_configs` (cached: it runs twice per call), with `fields` on top (options.KernelOptions.config_fields:
     what options.override set)."""
-    cfg = measured_configs(headdim, is_cuda, masked, dropout, aligned, short, grouped, long_keys, varlen, windowed)
+    cfg = measured_configs(headdim, is_cuda, masked, dropout, aligned, short, grouped, long_keys, varlen, windowed,
+                           softcapped)
     return replace(cfg, **fields) if fields else cfg
 
 
 @functools.lru_cache(maxsize=None)
 def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout: bool = False,
                      aligned: bool = False, short: bool = False, grouped: bool = False,
-                     long_keys: bool = False, varlen: bool = False, windowed: bool = False) -> KernelConfigs:
+                     long_keys: bool = False, varlen: bool = False, windowed: bool = False,
+                     softcapped: bool = False) -> KernelConfigs:
     """Launch settings measured by benchmarks/tune_kernels.py (bf16, B*N = 16k, H*D = 2048; docs/tuning.md, by head
     dim and case). `masked`: causal or windowed, where the forward prefers narrower key tiles (less work wasted on
     the diagonal) and the d64 dK/dV kernel a deeper pipeline. `dropout`: the unmasked d128 forward keeps the narrow
@@ -89,7 +91,8 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
     `long_keys`: a query sees LONG_KEYS (with dropout LONG_KEYS_DROPOUT) keys or more on average
     (ops._mean_keys_seen), where the fused dQ wins. `varlen`: a varlen batch (not aligned, and its tiles measured on
     the varlen mix apart from dense rows whose lengths divide no tile). `windowed`: a sliding window (`masked` too),
-    where the fused dQ wins at head dim 128 at the widths measured (1024 and 4096).
+    where the fused dQ wins at head dim 128 at the widths measured (1024 and 4096). `softcapped`: scores capped by
+    softcap.
 
     The separate dQ pass beat the Triton dK/dV's atomic dQ in every measured case but one, so it is the default,
     which also makes the backward deterministic by construction. The exception: d128 causal or windowed with
@@ -135,13 +138,14 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
             gluon_dq=varlen or dropout,
             # The dK/dV adds dQ itself (reading K from shared memory, sm90.dkdv.register_kv): without dropout
             # wherever the Gluon dK/dV runs (bwd TFLOP/s, causal n2048 297 -> 336, full n2048 373 -> 388, the varlen
-            # mix 287 -> 308; sliding windows not measured, so not there); with dropout from long rows on, sparing
-            # the dQ pass its second draw of the keep bits (causal n8192 9.41 -> 4.67 ms; docs/tuning.md)
-            fused_dq=long_keys if dropout else not windowed,
-            # The Gluon dK/dV wins with GQA and without a mask; short causal rows keep the Triton one, measured
-            # ahead there before the Gluon one stored by TMA (since then, at n1024 bwd 204 against 213 TFLOP/s;
-            # shorter rows not measured).
-            gluon_dkdv=not (masked and short),
+            # mix 287 -> 308), but under sliding windows or softcap (neither measured nor GPU-tested in that form);
+            # with dropout from long rows on, sparing the dQ pass its second draw of the keep bits (causal n8192
+            # 9.41 -> 4.67 ms; docs/tuning.md)
+            fused_dq=long_keys if dropout else not (windowed or softcapped),
+            # The Gluon dK/dV, on short causal dense rows too since it stores by TMA and adds dQ itself (bwd TFLOP/s,
+            # Triton -> Gluon: causal n512 144 -> 155, n1024 207 -> 213); there with dropout or on varlen batches
+            # (neither measured) the Triton one as before
+            gluon_dkdv=not (masked and short and (dropout or varlen)),
         )
     elif block_d <= 128 and masked:
         # Head dim 128 with a mask (docs/tuning.md, "d128 masked tiles"). dK/dV: FlexAttention's sm90 tile (64
