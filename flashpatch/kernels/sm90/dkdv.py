@@ -751,8 +751,8 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     fused = dq_accum is not None
     dropout = dropout_p > 0
     if fused and not fuses_dq(headdim, dropout, options):
-        raise ValueError(f"the Gluon dK/dV adds dQ itself only with K in shared memory (fuses_dq), not with "
-                         f"register_kv={options.register_kv}")
+        raise ValueError(f"the Gluon dK/dV adds dQ itself only with K in shared memory and TMA reduce-adds "
+                         f"(fuses_dq), got register_kv={options.register_kv}, TMA_REDUCE={TMA_REDUCE}")
     if dropout and seed_offset is None:
         raise ValueError(f"the Gluon dK/dV draws dropout from a seed_offset tensor, got dropout_p={dropout_p} with "
                          f"seed_offset=None")
