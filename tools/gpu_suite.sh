@@ -79,15 +79,18 @@ for step in $steps; do
       python3 benchmarks/bench_attention.py $args --out "$WORK" 2>"$WORK/bench_progress.log" | tee "$WORK/bench.md"
       cp "$WORK/bench.md" "$OUT/bench.md"
       summary+=("$step: bench.md") ;;
-    bench_scope)  # results/latest/bench_scope.md's table: ragged lengths and (B, H, S, D) memory against cuDNN, varlen
-      # batches and sliding windows against FlexAttention (with dense causal N = 4096 for the varlen / dense ratio)
+    bench_scope)  # results/latest/bench_scope.md's tables: ragged lengths and (B, H, S, D) memory against cuDNN, varlen
+      # batches and sliding windows against FlexAttention (with dense causal N = 4096 for the varlen / dense ratio),
+      # head dim 64 against cuDNN
       python3 benchmarks/bench_attention.py --seqlens 1000,1024,4000,4096,8000,8191,8192 \
         --match "d128 causal N=|d64 causal N=4096" --peers fpatch,sdpa_cudnn --out "$WORK/scope_lengths" \
         2>"$WORK/bench_progress.log" | tee "$WORK/scope_lengths.md"
       python3 benchmarks/bench_attention.py --seqlens 4096 \
         --match "d128 window|d128 varlen 73|d128 varlen GQA 16/8|d64 varlen 73" --peers fpatch,flex \
         --out "$WORK/scope_varlen" 2>>"$WORK/bench_progress.log" | tee "$WORK/scope_varlen.md"
-      summary+=("bench_scope: scope_lengths.md, scope_varlen.md") ;;
+      python3 benchmarks/bench_attention.py --seqlens 2048,4096 --match "d64 causal N=|d64 full N=|d64 causal GQA" \
+        --peers fpatch,sdpa_cudnn --out "$WORK/scope_d64" 2>>"$WORK/bench_progress.log" | tee "$WORK/scope_d64.md"
+      summary+=("bench_scope: scope_lengths.md, scope_varlen.md, scope_d64.md") ;;
     host)  # host time per forward + backward against SDPA (results/latest/host_time.md)
       python3 benchmarks/host_time.py --out "$WORK" 2>"$WORK/host_progress.log" | tee "$WORK/host_time.md"
       summary+=("host: host_time.md") ;;
