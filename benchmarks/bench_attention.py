@@ -72,14 +72,16 @@ class Case:
         return sum(self.doc_lens) if self.varlen else self.batch * self.seqlen
 
 
-def varlen_lengths(total: int = 65536, low: int = 64, high: int = 4096, seed: int = 0) -> list[int]:
-    """Log-uniform lengths in [low, high], drawn until they sum to `total` (the last one is cut to fit)."""
+def varlen_lengths(total: int = 65536, low: int = 64, high: int = 4096, seed: int = 0,
+                   count: int | None = None) -> list[int]:
+    """Log-uniform lengths in [low, high], drawn until they sum to `total` (the last one is cut to fit), or with
+    `count` that many."""
     gen = torch.Generator().manual_seed(seed)
     lengths: list[int] = []
-    while sum(lengths) < total:
+    while (len(lengths) < count) if count is not None else (sum(lengths) < total):
         u = torch.rand((), generator=gen).item()
         n = int(round(math.exp(math.log(low) + u * (math.log(high) - math.log(low)))))
-        lengths.append(min(n, total - sum(lengths)))
+        lengths.append(n if count is not None else min(n, total - sum(lengths)))
     return lengths
 
 
@@ -138,6 +140,9 @@ def build_cases(quick: bool, seqlens: tuple[int, ...] | None = None) -> list[Cas
         cases.append(Case(f"d64 varlen {len(lens)} docs 64..4096", len(lens), 16, 16, max(lens), 64, True, 0.0, lens))
         cases.append(Case(f"d256 varlen GQA 8/4 {len(lens)} docs 64..4096", len(lens), 8, 4, max(lens), 256, True, 0.0,
                           lens))
+        # configs/lora_qwen2_0p5b.yaml's attention: 16 rows of at most 512 tokens, unpadded (GQA 14/2, head dim 64)
+        rows = varlen_lengths(low=64, high=512, seed=1, count=16)
+        cases.append(Case("d64 varlen GQA 14/2 16 rows 64..512", len(rows), 14, 2, max(rows), 64, True, 0.0, rows))
         # a padded batch with attention dropout, as the transformers integration hands it over unpadded (GPT-2 style
         # d64 heads): varlen with dropout runs the portable kernels
         cases.append(Case(f"d64 varlen dropout0.1 {len(lens)} docs 64..4096", len(lens), 16, 16, max(lens), 64, True,
