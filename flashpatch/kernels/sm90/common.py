@@ -1,8 +1,8 @@
 """What the Gluon kernels of fwd.py, dkdv.py, dkdv256.py and dq.py share: which calls they may take (`sm90_dense_ok`),
 the 2-D TMA views of (B, S, H, D) tensors they load from, and the Gluon functions of more than one kernel (a program's
-query block, the K/V ring and its producer loop, the persistent grid's tiles and tickets, the Philox draw of the keep
-bits, the drawers' rings, the dK/dV kernels' producer, step order and masks). Imported only where Gluon is
-(sm90.AVAILABLE)."""
+query block, the K/V ring and its producer loop, a register tile's TMA store, the persistent grid's tiles and
+tickets, the Philox draw of the keep bits, the drawers' rings, the dK/dV kernels' producer, step order and masks).
+Imported only where Gluon is (sm90.AVAILABLE)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashpatch.kernels.config import ALIGN
@@ -458,6 +458,17 @@ def allocate_kv_ring(k_desc, v_desc, STAGES: gl.constexpr, CONSUMERS: gl.constex
         mbarrier.init(ready_v.index(s), count=1)
         mbarrier.init(empty.index(s), count=CONSUMERS)  # one arrival per consumer warpgroup
     return k_bufs, v_bufs, ready_k, ready_v, empty
+
+
+@gluon.jit
+def store_tile_by_tma(desc, coords, buf, tile):
+    """A warpgroup's register tile written over its rows of shared memory `buf` and handed to a TMA store at coords
+    of desc's tensor, once every thread's rows are written. The caller waits for the store (tma.store_wait) before
+    the rows are written again or handed back."""
+    buf.store(tile)
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(desc, coords, buf)
 
 
 @gluon.jit

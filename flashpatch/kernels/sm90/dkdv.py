@@ -68,8 +68,8 @@ from flashpatch.kernels.options import DEFAULT, KernelOptions
 from flashpatch.kernels.sm90.common import (
     TMA_REDUCE, alibi_bias, allocate_dkdv_ring, allocate_keep_ring, carry_addend, carry_shift_in_ptx, causal_mask_t,
     descriptor, dkdv_producer, drop_pairs, dropout_seed_offset, fp32_descriptor, head_slope_log2, kept_dims,
-    key_block_program, next_query_step, philox_wide, sm90_dense_ok, softcap_scores, tma_reduce_add,
-    vector_descriptor, window_mask_t)
+    key_block_program, next_query_step, philox_wide, sm90_dense_ok, softcap_scores, store_tile_by_tma,
+    tma_reduce_add, vector_descriptor, window_mask_t)
 from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_rows
 
 BLOCK_M = {64: 64, 128: 64}  # queries per step, by head dim
@@ -489,16 +489,10 @@ def _consumer(args, ALIBI_SLOPES, dq_parts, keep_parts, WG: gl.constexpr, CAUSAL
     if STORE_TMA:  # through the warpgroup's rows of V (no other warp reads them): dV, then dK
         if key0 + HALF_N <= seqlen_k:
             buf = v_smem.slice(WG * HALF_N, HALF_N)  # (HALF_N, D)
-            buf.store(dv.to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-            tma.async_copy_shared_to_global(dv_desc, [dv_row + WG * HALF_N, dv_col], buf)
+            store_tile_by_tma(dv_desc, [dv_row + WG * HALF_N, dv_col], buf, dv.to(dtype))
             tma.store_wait(0)
             gl.thread_barrier()  # the store has read the rows before any thread writes dK over them
-            buf.store((dk * softmax_scale).to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-            tma.async_copy_shared_to_global(dk_desc, [dk_row + WG * HALF_N, dk_col], buf)
+            store_tile_by_tma(dk_desc, [dk_row + WG * HALF_N, dk_col], buf, (dk * softmax_scale).to(dtype))
             tma.store_wait(0)
         else:
             gl.store(dk_ptrs, (dk * softmax_scale).to(dtype), mask=(offs_key < seqlen_k)[:, None])

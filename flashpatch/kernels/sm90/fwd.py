@@ -55,8 +55,8 @@ from flashpatch.kernels.sm90.common import (
     allocate_item_slots, allocate_keep_ring, allocate_kv_ring, allocate_query_barriers, alibi_bias, carry_addend,
     carry_shift_in_ptx, descriptor, drop_pairs, dropout_seed_offset, hand_item, head_slope_log2, kept_dims,
     key_limit, key_steps, persistent_rounds, persistent_tile, philox_wide, producer_persistent, query_block_program,
-    query_tile, read_item, release_tickets, sm90_dense_ok, softcap_tanh, stream_kv, take_ticket, tma_load,
-    varlen_item, varlen_query_block_program, window_keys, window_steps)
+    query_tile, read_item, release_tickets, sm90_dense_ok, softcap_tanh, store_tile_by_tma, stream_kv, take_ticket,
+    tma_load, varlen_item, varlen_query_block_program, window_keys, window_steps)
 from flashpatch.kernels.sm90.schedule import causal_schedule_tensor
 from flashpatch.kernels.triton.common import alibi_batch_stride, dropout_head_rows
 
@@ -475,10 +475,7 @@ def _persistent_tile(q_bufs, done, ring, k_bufs, v_bufs, ready_k, ready_v, empty
     row0 = m0 + WG * HALF_M
     if row0 + HALF_M <= seqlen_q:
         o_tile = _fwd_epilogue_lse(acc, m_i, l_i, LSE, lse_base, offs_m, seqlen_q)
-        q_s.store(o_tile.to(q_s.dtype))
-        fence_async_shared()
-        gl.thread_barrier()  # every thread's rows written before the store is issued
-        tma.async_copy_shared_to_global(o_desc, [o_row + WG * HALF_M, o_col], q_s)
+        store_tile_by_tma(o_desc, [o_row + WG * HALF_M, o_col], q_s, o_tile.to(q_s.dtype))
         storing = 1
     else:
         mbarrier.arrive(q_empty.index(qb))
