@@ -678,6 +678,14 @@ def test_options_refuse_unknown_names_and_bad_values():
         pass
     with pytest.raises(ValueError, match="got 100"), kernel_options.override(dkdv_consumer_registers=100):
         pass
+    # a switch takes a bool (or None where it has a rule): "false" or 0 would switch by its truth value
+    for bad, message in ((dict(dkdv_store_tma="false"), "dkdv_store_tma must be bool, got 'false'"),
+                         (dict(persistent_fwd=0), "persistent_fwd must be bool or None, got 0"),
+                         (dict(fused_dq=1), "fused_dq must be bool, got 1")):
+        with pytest.raises(TypeError, match=message), kernel_options.override(**bad):
+            pass
+    with kernel_options.override(dkdv_store_tma=False, persistent_fwd=None, fused_dq=True) as opts:
+        assert (opts.dkdv_store_tma, opts.persistent_fwd, opts.config_fields["fused_dq"]) == (False, None, True)
     assert kernel_options.current() is kernel_options.DEFAULT
 
 

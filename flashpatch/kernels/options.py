@@ -69,6 +69,10 @@ class KernelOptions:
         unknown = set(self.config_fields) - _CONFIG_FIELDS
         if unknown:
             raise TypeError(f"config_fields names no KernelConfigs field: {sorted(unknown)}")
+        for name, value in ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)):
+            _check_switch(name, value, _SWITCH_TYPES.get(name))
+        for name, value in self.config_fields.items():
+            _check_switch(name, value, _CONFIG_SWITCH_TYPES.get(name))
         # hashed once: ops.py keys its per-call plans by the options in force (a mapping field has no hash)
         own = tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "config_fields")
         object.__setattr__(self, "_hash", hash((own, tuple(sorted(self.config_fields.items())))))
@@ -77,8 +81,19 @@ class KernelOptions:
         return self._hash
 
 
+def _check_switch(name: str, value: Any, annotation: str | None) -> None:
+    """A switch (a field annotated `bool` or `bool | None`) takes a bool (or None): a string such as "false" or an
+    integer would otherwise switch on whatever its truth value says."""
+    allowed = {"bool": (bool,), "bool | None": (bool, type(None))}.get(annotation)
+    if allowed is not None and type(value) not in allowed:
+        raise TypeError(f"{name} must be {annotation.replace(' | ', ' or ')}, got {value!r}")
+
+
 _OWN_FIELDS = frozenset(f.name for f in dataclasses.fields(KernelOptions)) - {"config_fields"}
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(KernelConfigs))
+# the switches' annotations (dataclasses keep them as strings here: `from __future__ import annotations`)
+_SWITCH_TYPES = {f.name: f.type for f in dataclasses.fields(KernelOptions) if f.type in ("bool", "bool | None")}
+_CONFIG_SWITCH_TYPES = {f.name: f.type for f in dataclasses.fields(KernelConfigs) if f.type == "bool"}
 DEFAULT = KernelOptions()
 _current = DEFAULT
 
