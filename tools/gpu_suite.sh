@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session in one call: GPU tests, kernel tuning, benchmarks, recipes. A short summary prints last.
 #   bash tools/gpu_suite.sh [tests | tests1 tests2 | tests_par] [tune] [tune_fwd] [tune_dropout]
-#       [bench | bench_full | bench_table] [bench_scope]
+#       [bench | bench_full] [bench_table]
 #       [host] [parity] [parity_dropout] [<config name>] ...   (tests1, tests2: each half of the GPU tests, for two calls)
 #   PARITY_SEEDS="0 1 2" repeats parity_dropout per seed.
 # Logs and reports go to $WORK; after every step they are packed into $OUT/suite.tgz (the device tool returns at
@@ -70,27 +70,22 @@ for step in $steps; do
       python3 benchmarks/tune_kernels.py --dropout 0.1 --seqlens 8192 --out "$WORK/tune_dropout" 2>&1 \
         | tee "$WORK/tune_dropout.log"
       summary+=("tune_dropout: tune_dropout.log") ;;
-    bench|bench_full|bench_table)  # quick: N = 4k; full: 1k..16k; table: the headline table (4k, 8k, 16k; peers)
+    bench|bench_full)  # quick: N = 4k; full: 1k..16k
       case $step in
         bench) args="--quick" ;;
         bench_full) args="" ;;
-        bench_table) args="--seqlens 4096,8192,16384 --peers fpatch,sdpa_flash,sdpa_cudnn,flex" ;;
       esac
       python3 benchmarks/bench_attention.py $args --out "$WORK" 2>"$WORK/bench_progress.log" | tee "$WORK/bench.md"
       cp "$WORK/bench.md" "$OUT/bench.md"
       summary+=("$step: bench.md") ;;
-    bench_scope)  # results/latest/bench_scope.md's tables: ragged lengths and (B, H, S, D) memory against cuDNN, varlen
-      # batches and sliding windows against FlexAttention (with dense causal N = 4096 for the varlen / dense ratio),
-      # head dim 64 against cuDNN
-      python3 benchmarks/bench_attention.py --seqlens 1000,1024,4000,4096,8000,8191,8192 \
-        --match "d128 causal N=|d64 causal N=4096" --peers fpatch,sdpa_cudnn --out "$WORK/scope_lengths" \
-        2>"$WORK/bench_progress.log" | tee "$WORK/scope_lengths.md"
-      python3 benchmarks/bench_attention.py --seqlens 4096 \
-        --match "d128 window|d128 varlen 73|d128 varlen GQA 16/8|d64 varlen 73" --peers fpatch,flex \
-        --out "$WORK/scope_varlen" 2>>"$WORK/bench_progress.log" | tee "$WORK/scope_varlen.md"
-      python3 benchmarks/bench_attention.py --seqlens 2048,4096 --match "d64 causal N=|d64 full N=|d64 causal GQA" \
-        --peers fpatch,sdpa_cudnn --out "$WORK/scope_d64" 2>>"$WORK/bench_progress.log" | tee "$WORK/scope_d64.md"
-      summary+=("bench_scope: scope_lengths.md, scope_varlen.md, scope_d64.md") ;;
+    bench_table)  # the README's table (results/latest/bench_attention.md): both commands, in one call
+      python3 benchmarks/bench_attention.py --seqlens 4096,8192 --peers fpatch,sdpa_cudnn,flex \
+        --match "d128 causal N=4096|d128 causal N=8192|d128 full N=8192|d64 causal N=4096|ALiBi|d128 window|softcap|d256|varlen 73|varlen GQA 16/8" \
+        --out "$WORK/table_peers" 2>"$WORK/bench_progress.log" | tee "$WORK/table_peers.md"
+      python3 benchmarks/bench_attention.py --seqlens 1000,1024,2048,4000,4096,8000,8191,8192 --peers fpatch,sdpa_cudnn \
+        --match "d128 causal N=|d128 full N=4096|d64 causal N=8192|d64 full N=4096|d64 full N=8192|GQA 16/4|GQA 12/4|dropout0.1 N=" \
+        --out "$WORK/table_cudnn" 2>>"$WORK/bench_progress.log" | tee "$WORK/table_cudnn.md"
+      summary+=("bench_table: table_peers.md, table_cudnn.md") ;;
     host)  # host time per forward + backward against SDPA (results/latest/host_time.md)
       python3 benchmarks/host_time.py --out "$WORK" 2>"$WORK/host_progress.log" | tee "$WORK/host_time.md"
       summary+=("host: host_time.md") ;;
