@@ -66,7 +66,7 @@ def main():
                       HEAD_GROUP=args.head_group, REG_KV=hk.register_kv(d, args.dropout), LSE_FIRST=hk.lse_first(d),
                       CONSUMER_REGS=hk.consumer_registers(d, args.dropout),
                       PRODUCER_REGS=hk.worker_registers(args.dropout), FUSED_DQ=False, DROPOUT=args.dropout,
-                      KEY_TAIL=args.key_tail or args.varlen, STORE_TMA=options.DEFAULT.dkdv_store_tma)
+                      KEY_TAIL=args.key_tail or args.varlen, STORE_TMA=hk.stores_by_tma(args.dropout))
     elif args.kernel == "dkdv256":
         fn, maxnreg, d = hk256.attn_bwd_dkdv256_kernel, hk256.MAXNREG, hk256.HEADDIM
         bm = hk256.BLOCK_M

@@ -692,6 +692,13 @@ def launch_maxnreg(dropout: bool) -> int:
     return MAXNREG_DROPOUT if dropout else MAXNREG
 
 
+def stores_by_tma(dropout: bool, options: KernelOptions = DEFAULT) -> bool:
+    """Whether `_consumer` stores dK and dV through its rows of V's shared memory and TMA stores (STORE_TMA) where its
+    key block lies inside the sequence: as options.dkdv_store_tma says, but never with dropout, where ptxas spilled
+    392 B a thread against 164 with the register stores."""
+    return options.dkdv_store_tma and not dropout
+
+
 def fuses_dq(headdim: int, dropout: bool = False, options: KernelOptions = DEFAULT) -> bool:
     """Whether the kernel can add dQ into an fp32 buffer itself (`_fused_dq`, `_dq_reducer`): at head dims 64 and
     128, K then read from shared memory (`register_kv`; not where options.register_kv forces K into registers), with
@@ -762,7 +769,7 @@ def attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, qk_scale: float, softmax_sc
     assert delta.stride() == lse.stride() and lse.stride(-1) == 1, (lse.stride(), delta.stride())
     lse_desc, delta_desc = vector_descriptor(lse, block_m), vector_descriptor(delta, block_m)
     dq_desc, dq_rows, dq_cols = fp32_descriptor(dq_accum, block_m) if fused else (None, (0, 0), 0)
-    store_tma = options.dkdv_store_tma and not dropout  # with dropout ptxas spilled 392 B a thread (164 before)
+    store_tma = stores_by_tma(dropout, options)
     if store_tma:
         dk_desc, dk_rows, dk_cols = descriptor(dk, HALF_N)
         dv_desc, dv_rows, dv_cols = descriptor(dv, HALF_N)
