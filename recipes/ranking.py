@@ -66,10 +66,12 @@ def switch_implementation(model, impl: str) -> None:
         flashpatch.patch_model(model, padding_free=True)
 
 
-def compare(cfg, accelerator, batches, tokenizer, skip_reasons: dict, build_training, train_step, device_inputs):
+def compare(cfg, accelerator, batches, tokenizer, skip_reasons: dict, build_training, train_step, device_inputs,
+            warm_full_rows):
     """(rows, ranking) for `cfg.rounds` rounds; rows are like train.run_implementation's, plus the spread fields.
 
-    batches: warmup_steps + rounds * steps batches; round r uses the r-th run of `steps` after the warm-up ones."""
+    batches: warmup_steps + rounds * steps batches; round r uses the r-th run of `steps` after the warm-up ones.
+    warm_full_rows: train.warm_full_rows, run in each implementation's warm-up before its first step."""
     from accelerate.utils import gather_object
 
     device, world, rounds, steps = accelerator.device, accelerator.num_processes, cfg.rounds, cfg.steps
@@ -109,6 +111,8 @@ def compare(cfg, accelerator, batches, tokenizer, skip_reasons: dict, build_trai
             torch.cuda.reset_peak_memory_stats(device)
         for k, batch in enumerate(turn_batches):
             batch_dev = device_inputs(impl, cfg, batch, device)
+            if round_index is None and k == 0:
+                warm_full_rows(model, optimizer, accelerator, cfg, batch_dev)
             loss, elapsed, step_gc_ms, _, step_compiles = measure.timed_step(
                 lambda: train_step(model, optimizer, scheduler, accelerator, cfg, batch_dev), device, gc_pauses,
                 compiles)

@@ -420,6 +420,38 @@ def test_oom_is_a_result_and_the_next_implementation_runs(monkeypatch, short_doc
     assert "| eager | OOM: CUDA out of memory" in table and "| sdpa | ok |" in table and "| fpatch | skipped" in table
 
 
+def test_padded_warm_up_runs_full_rows_and_takes_no_step(monkeypatch, short_docs):
+    # train.warm_full_rows: a forward + backward with every row taken as full (the dense kernels a batch without
+    # padding runs), then no optimizer step and no gradients left; once per implementation, in its warm-up
+    import train
+    from accelerate import Accelerator
+
+    cfg = parse_config(["--config", str(REPO / "configs" / "tiny_cpu.yaml"), "--steps", "1", "--warmup_steps", "1",
+                        "--hidden_size", "32", "--num_heads", "2", "--num_kv_heads", "1", "--seq_len", "256",
+                        "--data_mode", "padded"])
+    accelerator = Accelerator(cpu=True)
+    batches = list(make_batches(short_docs, "padded", 256, 4, seed=0, num_batches=2))
+    assert not bool(batches[0]["attention_mask"].all()), "the test needs a batch with padding"
+    model, optimizer, _ = train.build_training("sdpa", cfg, accelerator, TOK)
+    masks = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: masks.append(kwargs["attention_mask"].clone()),
+                                    with_kwargs=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    batch_dev = train.device_inputs("sdpa", cfg, batches[0], accelerator.device)
+    train.warm_full_rows(model, optimizer, accelerator, cfg, batch_dev)
+    assert len(masks) == 1 and bool(masks[0].all()) and masks[0].shape == batches[0]["attention_mask"].shape
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    packed = parse_config(["--config", str(REPO / "configs" / "tiny_cpu.yaml"), "--data_mode", "packed"])
+    train.warm_full_rows(model, optimizer, accelerator, packed, batch_dev)
+    assert len(masks) == 1  # other data modes have no padded rows to stand in for
+
+    calls = []
+    monkeypatch.setattr(train, "warm_full_rows", lambda *args: calls.append(args[-1]["attention_mask"]))
+    train.run_implementation("sdpa", cfg, accelerator, batches, TOK, None)
+    assert len(calls) == 1 and torch.equal(calls[0], batches[0]["attention_mask"])
+
+
 # --- the recipe end to end ----------------------------------------------------------------------------------------
 
 
