@@ -15,7 +15,9 @@ launch cache (options.KernelOptions.cached_launch) and without it.
 A lone forward + backward also pays autograd's hand-off: the engine runs a CUDA backward on a device thread of its
 own, waking it and then the caller. A model's backward pays that once for all its layers, so the table also times
 each call with the backward on the calling thread (`torch.autograd.set_multithreading_enabled(False)`): a layer's
-share of a model's step. Writes host_time.md and host_time.json to --out, appends to --history, prints the table last.
+share of a model's step, and a floor beside it: a Python autograd.Function that only allocates what it returns
+(`AllocatesOnly`), which no implementation written as one can go under. Writes host_time.md and host_time.json to
+--out, appends to --history, prints the table last.
 """
 
 from __future__ import annotations
@@ -73,6 +75,25 @@ def on_this_thread(step):
     return run
 
 
+class AllocatesOnly(torch.autograd.Function):
+    """The floor of any attention written as a Python autograd.Function: forward and backward allocate what they
+    return (out and an LSE; dq, dk, dv) and launch nothing."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.save_for_backward(q, k, v)
+        return torch.empty_like(q), torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def floor(q, k, v, dout):
+    return lambda: AllocatesOnly.apply(q, k, v)[0].backward(dout)
+
+
 def cases(shape, padded_only=False):
     b, s, h, hk, d = shape
     dev, dt = "cuda", torch.bfloat16
@@ -96,7 +117,7 @@ def cases(shape, padded_only=False):
     padded = {"padded": (lambda: flashpatch.flash_attn_varlen_func(qv, kv_, vv, cu, cu, s, s, causal=True)
                          .backward(doutv),
                          lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
-                         .backward(doutp))}
+                         .backward(doutp), floor(qv, kv_, vv, doutv))}
     if padded_only:
         return padded
     q = torch.randn(b, s, h, d, device=dev, dtype=dt, requires_grad=True)
@@ -111,7 +132,8 @@ def cases(shape, padded_only=False):
     def sdpa_dense(p=0.0):
         return lambda: F.scaled_dot_product_attention(qt, kt, vt, dropout_p=p, is_causal=True,
                                                       enable_gqa=True).backward(doutt)
-    return {"dense": (fp_dense(), sdpa_dense()), "dropout 0.1": (fp_dense(0.1), sdpa_dense(0.1)), **padded}
+    return {"dense": (fp_dense(), sdpa_dense(), floor(q, k, v, dout)),
+            "dropout 0.1": (fp_dense(0.1), sdpa_dense(0.1), floor(q, k, v, dout)), **padded}
 
 
 def main():
@@ -128,14 +150,16 @@ def main():
     runs = [(name, shape, cases(shape)) for name, shape in SHAPES.items()]
     runs.append((f"d64 GQA 14/2, {LORA[0]} rows of <= {LORA[1]}", LORA, cases(LORA, padded_only=True)))
     for shape_name, shape, shape_cases in runs:
-        for case, (fp, sdpa) in shape_cases.items():
+        for case, (fp, sdpa, alloc_only) in shape_cases.items():
             t = host_us({"fpatch": fp, "fpatch_uncached": uncached(fp), "sdpa": sdpa,
-                         "fpatch_thread": on_this_thread(fp), "sdpa_thread": on_this_thread(sdpa)},
+                         "fpatch_thread": on_this_thread(fp), "sdpa_thread": on_this_thread(sdpa),
+                         "floor_thread": on_this_thread(alloc_only)},
                         args.iters, args.repeats)
             ratios = [a / b for a, b in zip(t["fpatch runs"], t["sdpa runs"])]
             rows.append(dict(shape=shape_name, case=case, fpatch=t["fpatch"], fpatch_uncached=t["fpatch_uncached"],
                              sdpa=t["sdpa"], ratio_min=min(ratios), ratio_max=max(ratios),
-                             fpatch_thread=t["fpatch_thread"], sdpa_thread=t["sdpa_thread"]))
+                             fpatch_thread=t["fpatch_thread"], sdpa_thread=t["sdpa_thread"],
+                             floor_thread=t["floor_thread"]))
             print(f"{shape_name} {case}: fpatch {t['fpatch']:.0f} us (no launch cache {t['fpatch_uncached']:.0f}, "
                   f"on this thread {t['fpatch_thread']:.0f}), sdpa {t['sdpa']:.0f} (on this thread "
                   f"{t['sdpa_thread']:.0f})", file=sys.stderr, flush=True)
@@ -143,14 +167,15 @@ def main():
              f"torch {torch.__version__}, Triton {triton.__version__}, bf16, causal; median of {args.repeats} runs of "
              f"{args.iters} calls, the implementations taking turns (`python benchmarks/host_time.py`). \"on the "
              "calling thread\": autograd's backward run there, a layer's share of a model's backward (the engine's "
-             "hand-off to its device thread, paid once per backward call, left out)", "",
+             "hand-off to its device thread, paid once per backward call, left out). \"floor\": a Python "
+             "autograd.Function whose forward and backward only allocate what they return, on the calling thread", "",
              "| heads | case | flashpatch us | flashpatch, no launch cache us | SDPA us | flashpatch / SDPA (runs) | "
-             "on the calling thread: flashpatch / SDPA us |",
+             "on the calling thread: flashpatch / SDPA / floor us |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['case']} | {r['fpatch']:.0f} | {r['fpatch_uncached']:.0f} | {r['sdpa']:.0f} "
                      f"| {r['fpatch'] / r['sdpa']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) "
-                     f"| {r['fpatch_thread']:.0f} / {r['sdpa_thread']:.0f} |")
+                     f"| {r['fpatch_thread']:.0f} / {r['sdpa_thread']:.0f} / {r['floor_thread']:.0f} |")
     table = "\n".join(lines)
     if args.out:
         out = Path(args.out)
@@ -168,7 +193,8 @@ def main():
                                                                    r["fpatch_uncached"]),
                         (case, "sdpa", "host_us", r["sdpa"]),
                         (case, "fpatch", "host_us_calling_thread", r["fpatch_thread"]),
-                        (case, "sdpa", "host_us_calling_thread", r["sdpa_thread"])]
+                        (case, "sdpa", "host_us_calling_thread", r["sdpa_thread"]),
+                        (case, "autograd_floor", "host_us_calling_thread", r["floor_thread"])]
         history.append(args.history, history.rows(figures, gpu=gpu, torch_version=torch.__version__,
                                                   triton_version=triton.__version__))
     print(table)

@@ -204,7 +204,7 @@ def fpatch_attention_forward(
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D): the kernels' layout, no copy
     dtype = _compute_dtype(module, q, k, v)
-    q, k, v = (t.to(dtype) for t in (q, k, v))
+    q, k, v = (t if t.dtype == dtype else t.to(dtype) for t in (q, k, v))  # `to` costs a dispatch even as a no-op
     head_dim, v_head_dim = q.shape[-1], v.shape[-1]
     if v_head_dim != head_dim:  # e.g. MLA: the kernels need one head dim, zero columns of V give zero outputs
         v = F.pad(v, (0, head_dim - v_head_dim))
