@@ -9,8 +9,10 @@ is synchronized before and after, not inside). The implementations take turns ru
 host's speed (the GPU machines' CPUs vary by tens of percent over a minute) reaches them alike; the table gives the
 spread of flashpatch / SDPA over the runs. Cases: dense causal rows (the 1B model's and the 121M model's
 heads), the same with dropout 0.1, and a padded batch (flashpatch: flash_attn_varlen_func on unpadded tokens;
-SDPA: a boolean padding mask; at the LoRA recipe's heads, 16 rows of 64-512 tokens). flashpatch runs with its
-launch cache (options.KernelOptions.cached_launch) and without it.
+SDPA: a boolean padding mask; at the LoRA recipe's heads, 16 rows of 64-512 tokens), and that batch as a transformers
+model's layer hands it to its attention function (flashpatch's unpads the rows around the kernels, transformers' sdpa
+function takes a 4-D mask). flashpatch runs with its launch cache (options.KernelOptions.cached_launch) and without
+it.
 
 A lone forward + backward also pays autograd's hand-off: the engine runs a CUDA backward on a device thread of its
 own, waking it and then the caller. A model's backward pays that once for all its layers, so the table also times
@@ -31,11 +33,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "recipes"))
 import flashpatch  # noqa: E402
+from flashpatch.integrations.transformers import fpatch_attention_forward  # noqa: E402
 from flashpatch.kernels import options  # noqa: E402
 
 # name: (batch, seqlen, heads, kv heads, head dim)
@@ -114,10 +118,22 @@ def cases(shape, padded_only=False):
     causal = torch.ones(s, s, device=dev, dtype=torch.bool).tril()
     mask = (keep[:, None, None, :] & causal)  # (B, 1, S, S)
 
+    # the same batch as a transformers model's layer hands it over: (B, H, S, D) states and the model's mask (a 2-D
+    # padding mask for fpatch, whose rows are unpadded and padded back around the kernels; 4-D for sdpa)
+    layer = torch.nn.Module()
+    layer.is_causal, layer.num_key_value_groups = True, h // hk
+    doutl = doutp.transpose(1, 2)  # (B, S, H, D), as both functions return
+
+    def through_transformers(attend, layer_mask):
+        return lambda: attend(layer, qp, kp, vp, layer_mask, scaling=d ** -0.5, is_causal=True)[0].backward(doutl)
+
     padded = {"padded": (lambda: flashpatch.flash_attn_varlen_func(qv, kv_, vv, cu, cu, s, s, causal=True)
                          .backward(doutv),
                          lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
-                         .backward(doutp), floor(qv, kv_, vv, doutv))}
+                         .backward(doutp), floor(qv, kv_, vv, doutv)),
+              "padded, a transformers layer": (through_transformers(fpatch_attention_forward, keep),
+                                               through_transformers(sdpa_attention_forward, mask),
+                                               floor(qv, kv_, vv, doutv))}
     if padded_only:
         return padded
     q = torch.randn(b, s, h, d, device=dev, dtype=dt, requires_grad=True)

@@ -37,12 +37,16 @@ def assert_as_accurate_as_eager(got, eager, exact, what: str) -> None:
     assert err_got <= bound, f"{what}: flashpatch error {err_got:.3e} > bound {bound:.3e} (eager error {err_eager:.3e})"
 
 
-def padded_batch(encoder: bool, seed: int = 0) -> dict:
-    """Two rows of SEQ tokens: row 0 right-padded (11 real), row 1 left-padded (13 real)."""
+def padded_batch(encoder: bool, seed: int = 0, left: bool = True) -> dict:
+    """Two rows of SEQ tokens: row 0 right-padded (11 real), row 1 left-padded (13 real), or with left=False
+    right-padded too."""
     g = torch.Generator().manual_seed(seed)
     mask = torch.ones(2, SEQ, dtype=torch.long)
     mask[0, 11:] = 0
-    mask[1, :3] = 0
+    if left:
+        mask[1, :3] = 0
+    else:
+        mask[1, 13:] = 0
     ids = torch.randint(3, VOCAB, (2, SEQ), generator=g).masked_fill(mask == 0, 0)
     if encoder:
         labels = ids.masked_fill(mask == 0, -100)
@@ -92,6 +96,31 @@ def test_padded_batch_matches_eager(name):
     calls = fp_hf.CALLS[0]
     got = forward_backward(model, batch)
     assert fp_hf.CALLS[0] - calls >= model.config.num_hidden_layers, "the patched model did not run flashpatch"
+    flashpatch.unpatch_model(model)
+    compare_runs(name, got, eager, exact, batch["attention_mask"].bool())
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_right_padded_batch_runs_dense_and_matches_eager(name, monkeypatch):
+    """Causal rows padded only on the right run the dense kernel over their padding (fp_hf._dense_over_padding): the
+    same logits on real tokens, loss and gradients as eager; the mixed batch above takes the unpadded path."""
+    model = build(name)
+    exact_model = as_float64(model)
+    batch = padded_batch(encoder=False, left=False)
+    eager = forward_backward(model, batch)
+    exact = forward_backward(exact_model, batch)
+
+    varlen = []
+    real_varlen = fp_hf._kernels.flash_attn_varlen_func
+    monkeypatch.setattr(fp_hf._kernels, "flash_attn_varlen_func", lambda *a, **kw: varlen.append(1) or
+                        real_varlen(*a, **kw))
+    flashpatch.patch_model(model)
+    calls = fp_hf.CALLS[0]
+    got = forward_backward(model, batch)
+    assert fp_hf.CALLS[0] - calls >= model.config.num_hidden_layers, "the patched model did not run flashpatch"
+    assert not varlen, "a right-padded causal batch was unpadded"
+    forward_backward(model, padded_batch(encoder=False))
+    assert varlen, "a left-padded batch did not take the unpadded path"
     flashpatch.unpatch_model(model)
     compare_runs(name, got, eager, exact, batch["attention_mask"].bool())
 

@@ -247,23 +247,48 @@ def test_attention_dropout_trains_and_is_seeded():
     assert not torch.equal(first.detach(), no_dropout)
 
 
-def test_padding_mask_written_in_place_is_read_again():
-    """The unpadding layout is derived once per mask tensor (every layer of a forward gets the same one); a mask
-    changed in place between calls must not reuse it, nor must a new mask that lands at a freed one's address."""
+@pytest.mark.parametrize("dense_limit", [0, fp_hf.DENSE_PADDED_MAX_LEN], ids=["unpadded", "dense_when_right_padded"])
+def test_padding_mask_written_in_place_is_read_again(dense_limit, monkeypatch):
+    """What a mask decides is derived once per mask tensor (every layer of a forward gets the same one): the
+    unpadding layout, and whether the dense kernel may run over right padding. A mask changed in place between
+    calls must not reuse it, nor must a new mask that lands at a freed one's address."""
+    monkeypatch.setattr(fp_hf, "DENSE_PADDED_MAX_LEN", dense_limit)
     module = torch.nn.Linear(2, 2)
     q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))  # (B, H, S, D)
     mask = torch.ones(2, 8, dtype=torch.long)
 
     def check(mask_now):
         out, _ = fp_hf.fpatch_attention_forward(module, q, k, v, mask_now, scaling=0.25, is_causal=True)
+        right_padded = bool((mask_now[:, 1:] <= mask_now[:, :-1]).all())
         for row in range(2):
-            n = int(mask_now[row].sum())  # right padding: the first n tokens are real
+            real = mask_now[row].bool()  # one run of real tokens per row
             ref = torch.nn.functional.scaled_dot_product_attention(
-                q[row : row + 1, :, :n], k[row : row + 1, :, :n], v[row : row + 1, :, :n], is_causal=True, scale=0.25)
-            torch.testing.assert_close(out[row, :n], ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
-            assert (out[row, n:] == 0).all()
+                q[row : row + 1, :, real], k[row : row + 1, :, real], v[row : row + 1, :, real], is_causal=True,
+                scale=0.25)
+            torch.testing.assert_close(out[row, real], ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+            if dense_limit == 0 or not right_padded:  # unpadded: zeros at the padding (else what nothing reads)
+                assert (out[row, ~real] == 0).all()
 
     check(mask)
     mask[0, 5:] = 0  # in place: same tensor, new version
     check(mask)
+    mask[1, :2] = 0  # in place again: left padding in row 1, which the dense kernel must not run as it is
+    check(mask)
     check(torch.tensor([[1] * 3 + [0] * 5, [1] * 8]))  # a new tensor
+
+
+def test_dense_over_padding_takes_only_causal_rows_padded_on_the_right(monkeypatch):
+    # fp_hf._dense_over_padding: the dense kernel runs a padded batch as it is only where no real query can see a
+    # padded key (causal self-attention, every row's real tokens before its padding, rows up to the length bound)
+    right = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    assert fp_hf._dense_over_padding(right, 4, 4, causal=True)
+    assert fp_hf._dense_over_padding(right.bool(), 4, 4, causal=True)
+    assert not fp_hf._dense_over_padding(right, 4, 4, causal=False)  # bidirectional: real queries see the pads
+    assert not fp_hf._dense_over_padding(right, 1, 4, causal=True)  # a KV cache's queries
+    for refused in ([[0, 1, 1, 1], [1, 1, 1, 1]], [[1, 0, 1, 1], [1, 1, 1, 1]]):  # left padding, a hole
+        assert not fp_hf._dense_over_padding(torch.tensor(refused), 4, 4, causal=True)
+    monkeypatch.setattr(fp_hf, "DENSE_PADDED_MAX_LEN", 3)
+    assert not fp_hf._dense_over_padding(right, 4, 4, causal=True)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="0/1 padding mask"):
+        fp_hf._dense_over_padding(torch.tensor([[1, 2, 0, 0]]), 4, 4, causal=True)

@@ -7,6 +7,7 @@ without one, transformers hands a custom implementation no padding mask at all).
 
 Batch layouts, decided per call from what the mask function returned and the kwargs:
     2D bool padding mask            -> unpad q/k/v -> flash_attn_varlen_func -> pad back  (left/right padding, q < kv)
+                                       or, causal rows of <= 1024 padded on the right, flash_attn_func as they are
     1D int32 cu_seqlens             -> flash_attn_varlen_func over documents             (packed rows, position_ids)
     cu_seq_lens_q/k (+ max_length)  -> flash_attn_varlen_func                            (DataCollatorWithFlattening)
     nothing                         -> flash_attn_func                                   (dense, bottom-right causal)
@@ -106,14 +107,40 @@ def _varlen_from_kwargs(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, int, 
     return cu_q, cu_k, max_q, max_k
 
 
-def _padding_layouts(mask: torch.Tensor, k_len: int, q_len: int):
-    """mask (B, Sm), nonzero = real -> ((RowIndex, cu_seqlens, max_seqlen) for the keys, the same for the queries)."""
+def _real_tokens(mask: torch.Tensor, k_len: int) -> torch.Tensor:
+    """mask (B, Sm), 0/1 or bool -> (B, k_len) bool, True = real token (the last k_len positions)."""
     if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
         raise ValueError(
             "flashpatch: a 2-D attention mask must be a 0/1 padding mask (1 = real token); got other values. "
             "Pass additive masks as 4-D."
         )
-    padding = mask.bool()[:, -k_len:]
+    return mask.bool()[:, -k_len:]
+
+
+# Causal rows padded on the right, each at most this long, run the dense kernel over the padding (`_dense_over_padding`)
+DENSE_PADDED_MAX_LEN = 1024
+
+
+def _dense_over_padding(mask: torch.Tensor, q_len: int, k_len: int, causal: bool) -> bool:
+    """Whether a padded batch can run the dense kernel as it is, padding included: causal self-attention (q_len ==
+    k_len) over rows whose real tokens all come before their padding. A real query then sees real keys only (the
+    keys after it are masked), so its output is the unpadded one; a padded query's output is garbage that nothing
+    real reads, as in eager and sdpa, and the loss sends it a zero gradient, which gives its keys none either. That
+    saves the unpadding's gathers and scatters (about 15 small ops a layer, forward and backward, of host time)
+    for the attention over the padding, which for rows up to DENSE_PADDED_MAX_LEN is a small cost
+    (docs/tuning.md, "padded rows")."""
+    if not causal or q_len != k_len or k_len > DENSE_PADDED_MAX_LEN:
+        return False
+
+    def right_padded():
+        real = _real_tokens(mask, k_len)
+        return bool((real[:, 1:] <= real[:, :-1]).all())  # no real token after a padded one
+    return once_per_tensor(mask, ("right padded", k_len), right_padded)
+
+
+def _padding_layouts(mask: torch.Tensor, k_len: int, q_len: int):
+    """mask (B, Sm), nonzero = real -> ((RowIndex, cu_seqlens, max_seqlen) for the keys, the same for the queries)."""
+    padding = _real_tokens(mask, k_len)
     indices, cu, longest = padding_layout(padding)
     keys = (RowIndex(indices, k_len), cu, longest)
     if q_len == k_len:
@@ -149,12 +176,15 @@ def _run_documents(q, k, v, cu_seqlens: torch.Tensor, flash_kwargs: dict) -> tor
 
 @torch.compiler.disable
 def _run_padded(q, k, v, mask: torch.Tensor, flash_kwargs: dict) -> torch.Tensor:
-    """q (B, Sq, H, D), k/v (B, Sk, Hk, D), mask (B, Sm) 0/1 -> (B, Sq, H, D), zeros at padded queries.
+    """q (B, Sq, H, D), k/v (B, Sk, Hk, D), mask (B, Sm) 0/1 -> (B, Sq, H, D), zeros at padded queries (garbage
+    there where `_dense_over_padding` runs the batch as it is).
 
     With fewer queries than keys (KV cache) the queries are the last q_len positions, as with left padding."""
     batch, q_len = q.shape[:2]
     if k.shape[1] > mask.shape[1]:  # static cache: slots past the mask were never written
         k, v = k[:, : mask.shape[1]], v[:, : mask.shape[1]]
+    if _dense_over_padding(mask, q_len, k.shape[1], flash_kwargs["causal"]):
+        return _kernels.flash_attn_func(q, k, v, **flash_kwargs)
     layouts = once_per_tensor(mask, ("padding", k.shape[1], q_len), lambda: _padding_layouts(mask, k.shape[1], q_len))
     (rows_k, cu_k, max_k), (rows_q, cu_q, max_q) = layouts
     if rows_q is rows_k:
