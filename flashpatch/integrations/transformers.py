@@ -126,9 +126,9 @@ def _dense_over_padding(mask: torch.Tensor, q_len: int, k_len: int, causal: bool
     k_len) over rows whose real tokens all come before their padding. A real query then sees real keys only (the
     keys after it are masked), so its output is the unpadded one; a padded query's output is garbage that nothing
     real reads, as in eager and sdpa, and the loss sends it a zero gradient, which gives its keys none either. That
-    saves the unpadding's gathers and scatters (about 15 small ops a layer, forward and backward, of host time)
-    for the attention over the padding, which for rows up to DENSE_PADDED_MAX_LEN is a small cost
-    (docs/tuning.md, "padded rows")."""
+    trades the unpadding's gathers and scatters (about 15 small ops a layer, forward and backward, most of the
+    layer's host time at short rows) for attention over the padding, whose GPU time for rows up to
+    DENSE_PADDED_MAX_LEN is estimated at about that of the copies it replaces (docs/tuning.md, "padded rows")."""
     if not causal or q_len != k_len or k_len > DENSE_PADDED_MAX_LEN:
         return False
 
