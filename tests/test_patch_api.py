@@ -290,5 +290,5 @@ def test_dense_over_padding_takes_only_causal_rows_padded_on_the_right(monkeypat
     monkeypatch.setattr(fp_hf, "DENSE_PADDED_MAX_LEN", 3)
     assert not fp_hf._dense_over_padding(right, 4, 4, causal=True)
     monkeypatch.undo()
-    with pytest.raises(ValueError, match="0/1 padding mask"):
+    with pytest.raises(ValueError, match=r"0/1 padding mask \(1 = real token\); got values \[0, 1, 2\]"):
         fp_hf._dense_over_padding(torch.tensor([[1, 2, 0, 0]]), 4, 4, causal=True)

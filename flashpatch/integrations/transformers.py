@@ -108,13 +108,16 @@ def _varlen_from_kwargs(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, int, 
 
 
 def _real_tokens(mask: torch.Tensor, k_len: int) -> torch.Tensor:
-    """mask (B, Sm), 0/1 or bool -> (B, k_len) bool, True = real token (the last k_len positions)."""
-    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
-        raise ValueError(
-            "flashpatch: a 2-D attention mask must be a 0/1 padding mask (1 = real token); got other values. "
-            "Pass additive masks as 4-D."
-        )
-    return mask.bool()[:, -k_len:]
+    """mask (B, Sm), 0/1 or bool -> (B, k_len) bool, True = real token (the last k_len positions). Checked and
+    derived once per mask tensor: both the dense-path decision and the unpadding layout read it."""
+    def compute():
+        if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError(
+                "flashpatch: a 2-D attention mask must be a 0/1 padding mask (1 = real token); got values "
+                f"{torch.unique(mask)[:8].tolist()}. Pass additive masks as 4-D."
+            )
+        return mask.bool()[:, -k_len:]
+    return once_per_tensor(mask, ("real tokens", k_len), compute)
 
 
 # Causal rows padded on the right, each at most this long, run the dense kernel over the padding (`_dense_over_padding`)
