@@ -1174,3 +1174,39 @@ def test_compiled_patched_model_compiles_once(layout):
         torch.testing.assert_close(loss_c, loss_e, rtol=2e-2, atol=2e-2)  # bf16, inductor fuses differently
     assert frames[1] == frames[0], f"the second step compiled {frames[1] - frames[0]} more frames"
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("lengths,dense", [([2048, 1501, 17], True), ([2048, 113, 1, 1], False)],
+                         ids=["dense", "unpadded"])
+def test_padded_layer_matches_float64_on_either_path(lengths, dense, headdim, monkeypatch):
+    # The transformers attention function on rows of 2048 padded on the right (dense_pairs_bound 2.25 at head dim
+    # 128, 3.25 at 64): the padded rows hold 1.95x the real tokens' causal pairs in the first batch, which runs the
+    # dense kernel over its padding, and 3.99x in the second, which is unpadded. bf16, GQA 4/2, rows of 17, 113 and 1
+    # real tokens; the real tokens' outputs and gradients against the float64 reference per row, zero gradients at
+    # the padding.
+    from flashpatch.integrations import transformers as fp_hf
+
+    paths = []
+    for name in ("flash_attn_func", "flash_attn_varlen_func"):
+        original = getattr(fp_hf._kernels, name)
+        monkeypatch.setattr(fp_hf._kernels, name,
+                            lambda *a, _f=original, _n=name, **kw: paths.append(_n) or _f(*a, **kw))
+    batch, seqlen = len(lengths), lengths[0]
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, seqlen, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for heads in (4, 2, 2))  # (B, H, S, D), as a layer hands them over
+    keep = torch.arange(seqlen, device="cuda")[None, :] < torch.tensor(lengths, device="cuda")[:, None]  # (B, S)
+    dout = torch.randn(batch, seqlen, 4, headdim, device="cuda", dtype=torch.bfloat16) * keep[:, :, None, None]
+    layer = torch.nn.Module()
+    layer.is_causal, layer.num_key_value_groups = True, 2
+    out, _ = fp_hf.fpatch_attention_forward(layer, q, k, v, keep.long(), scaling=headdim ** -0.5, is_causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)  # (B, H, S, D) each
+    assert paths == ["flash_attn_func" if dense else "flash_attn_varlen_func"]
+    for g in grads:
+        assert (g.transpose(1, 2)[~keep] == 0).all()
+    real = lambda t: t.transpose(1, 2)[keep]  # noqa: E731  (B, H, S, D) -> the real tokens' (T, H, D)
+    cu = cu_seqlens_from_lengths(torch.tensor(lengths, device="cuda"))
+    check_against_reference(out[keep], [real(g) for g in grads], *(real(t) for t in (q, k, v)), dout[keep],
+                            reference=varlen_attention_reference, ref_args=(cu, cu), causal=True,
+                            softmax_scale=headdim ** -0.5)

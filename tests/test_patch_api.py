@@ -247,12 +247,13 @@ def test_attention_dropout_trains_and_is_seeded():
     assert not torch.equal(first.detach(), no_dropout)
 
 
-@pytest.mark.parametrize("dense_limit", [0, fp_hf.DENSE_PADDED_MAX_LEN], ids=["unpadded", "dense_when_right_padded"])
-def test_padding_mask_written_in_place_is_read_again(dense_limit, monkeypatch):
+@pytest.mark.parametrize("dense", [False, True], ids=["unpadded", "dense_when_right_padded"])
+def test_padding_mask_written_in_place_is_read_again(dense, monkeypatch):
     """What a mask decides is derived once per mask tensor (every layer of a forward gets the same one): the
     unpadding layout, and whether the dense kernel may run over right padding. A mask changed in place between
     calls must not reuse it, nor must a new mask that lands at a freed one's address."""
-    monkeypatch.setattr(fp_hf, "DENSE_PADDED_MAX_LEN", dense_limit)
+    if not dense:
+        monkeypatch.setattr(fp_hf, "dense_pairs_bound", lambda seqlen, headdim: 0.0)
     module = torch.nn.Linear(2, 2)
     q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))  # (B, H, S, D)
     mask = torch.ones(2, 8, dtype=torch.long)
@@ -266,7 +267,7 @@ def test_padding_mask_written_in_place_is_read_again(dense_limit, monkeypatch):
                 q[row : row + 1, :, real], k[row : row + 1, :, real], v[row : row + 1, :, real], is_causal=True,
                 scale=0.25)
             torch.testing.assert_close(out[row, real], ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
-            if dense_limit == 0 or not right_padded:  # unpadded: zeros at the padding (else what nothing reads)
+            if not dense or not right_padded:  # unpadded: zeros at the padding (else what nothing reads)
                 assert (out[row, ~real] == 0).all()
 
     check(mask)
@@ -279,16 +280,30 @@ def test_padding_mask_written_in_place_is_read_again(dense_limit, monkeypatch):
 
 def test_dense_over_padding_takes_only_causal_rows_padded_on_the_right(monkeypatch):
     # fp_hf._dense_over_padding: the dense kernel runs a padded batch as it is only where no real query can see a
-    # padded key (causal self-attention, every row's real tokens before its padding, rows up to the length bound)
+    # padded key (causal self-attention, every row's real tokens before its padding), and where the padding's extra
+    # attention stays within dense_pairs_bound
     right = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
-    assert fp_hf._dense_over_padding(right, 4, 4, causal=True)
-    assert fp_hf._dense_over_padding(right.bool(), 4, 4, causal=True)
-    assert not fp_hf._dense_over_padding(right, 4, 4, causal=False)  # bidirectional: real queries see the pads
-    assert not fp_hf._dense_over_padding(right, 1, 4, causal=True)  # a KV cache's queries
+    assert fp_hf._dense_over_padding(right, 4, 4, causal=True, headdim=128)
+    assert fp_hf._dense_over_padding(right.bool(), 4, 4, causal=True, headdim=128)
+    # bidirectional (real queries see the pads), a KV cache's queries
+    assert not fp_hf._dense_over_padding(right, 4, 4, causal=False, headdim=128)
+    assert not fp_hf._dense_over_padding(right, 1, 4, causal=True, headdim=128)
     for refused in ([[0, 1, 1, 1], [1, 1, 1, 1]], [[1, 0, 1, 1], [1, 1, 1, 1]]):  # left padding, a hole
-        assert not fp_hf._dense_over_padding(torch.tensor(refused), 4, 4, causal=True)
-    monkeypatch.setattr(fp_hf, "DENSE_PADDED_MAX_LEN", 3)
-    assert not fp_hf._dense_over_padding(right, 4, 4, causal=True)
+        assert not fp_hf._dense_over_padding(torch.tensor(refused), 4, 4, causal=True, headdim=128)
+    nothing_real = torch.zeros(2, 4, dtype=torch.long)
+    assert not fp_hf._dense_over_padding(nothing_real, 4, 4, causal=True, headdim=128)
+    # rows of 4096 at head dim 128 (bound 1.75): a second row of 2000 real tokens gives the padded rows 1.62x the
+    # real pairs, one of 1000 gives 1.89x; rows of 16 with 16 and 2 real tokens give 1.96x, under the 129.25 that
+    # rows of 16 allow
+    lengths = {"dense": [4096, 2000], "unpadded": [4096, 1000], "short rows": [16, 2]}
+    masks = {name: (torch.arange(n[0])[None, :] < torch.tensor(n)[:, None]).long() for name, n in lengths.items()}
+    assert fp_hf._dense_over_padding(masks["dense"], 4096, 4096, causal=True, headdim=128)
+    assert not fp_hf._dense_over_padding(masks["unpadded"], 4096, 4096, causal=True, headdim=128)
+    assert fp_hf._dense_over_padding(masks["short rows"], 16, 16, causal=True, headdim=128)
+    # at head dim 64 the bound at 4096 is 2.25: the second batch runs dense too
+    assert fp_hf._dense_over_padding(masks["unpadded"], 4096, 4096, causal=True, headdim=64)
+    monkeypatch.setattr(fp_hf, "dense_pairs_bound", lambda seqlen, headdim: 1.5)
+    assert not fp_hf._dense_over_padding(masks["dense"].clone(), 4096, 4096, causal=True, headdim=128)
     monkeypatch.undo()
     with pytest.raises(ValueError, match=r"0/1 padding mask \(1 = real token\); got values \[0, 1, 2\]"):
-        fp_hf._dense_over_padding(torch.tensor([[1, 2, 0, 0]]), 4, 4, causal=True)
+        fp_hf._dense_over_padding(torch.tensor([[1, 2, 0, 0]]), 4, 4, causal=True, headdim=128)

@@ -2,7 +2,8 @@
 # The GPU session in one call: GPU tests, kernel tuning, benchmarks, recipes. A short summary prints last.
 #   bash tools/gpu_suite.sh [tests | tests1 tests2 | tests_par] [tune] [tune_fwd] [tune_dropout]
 #       [bench | bench_full] [bench_table]
-#       [host] [parity] [parity_dropout] [<config name>] ...   (tests1, tests2: each half of the GPU tests, for two calls)
+#       [host] [padded] [parity] [parity_dropout] [<config name>] ...
+#   (tests1, tests2: each half of the GPU tests, for two calls)
 #   PARITY_SEEDS="0 1 2" repeats parity_dropout per seed.
 # Logs and reports go to $WORK; after every step they are packed into $OUT/suite.tgz (the device tool returns at
 # most 8 files, and a run cut off by its time limit still returns what was packed). On the device machine, carry
@@ -89,6 +90,9 @@ for step in $steps; do
     host)  # host time per forward + backward against SDPA (results/latest/host_time.md)
       python3 benchmarks/host_time.py --out "$WORK" 2>"$WORK/host_progress.log" | tee "$WORK/host_time.md"
       summary+=("host: host_time.md") ;;
+    padded)  # a padded batch through a transformers layer: dense, unpadded, the rule, sdpa (GPU time)
+      python3 benchmarks/padded_layer.py --out "$WORK" 2>"$WORK/padded_progress.log" | tee "$WORK/padded_layer.md"
+      summary+=("padded: padded_layer.md") ;;
     parity)  # ~100M model, bf16, 200 steps, eager against flashpatch, loss curves in one PNG
       train parity llama_125m --implementations eager,fpatch --data_mode dense --batch_size 4 --steps 200 \
         --warmup_steps 5

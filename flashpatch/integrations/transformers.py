@@ -120,25 +120,35 @@ def _real_tokens(mask: torch.Tensor, k_len: int) -> torch.Tensor:
     return once_per_tensor(mask, ("real tokens", k_len), compute)
 
 
-# Causal rows padded on the right, each at most this long, run the dense kernel over the padding (`_dense_over_padding`)
-DENSE_PADDED_MAX_LEN = 1024
+def dense_pairs_bound(seqlen: int, headdim: int) -> float:
+    """How many times the real tokens' causal (query, key) pairs a padded batch's rows of `seqlen` may hold for
+    `_dense_over_padding` to run them as they are: 1.25 + 2048 / seqlen (3.25 at 1024, 1.75 at 4096), with 4096 in
+    place of 2048 at head dims up to 64, where the unpadded path measured slower (on rows of at most 1024 queries it
+    runs the portable dK/dV, whose GQA grid holds few programs per sequence). The unpadded path's
+    gathers, scatters and zero fills cost GPU time per token and host time per call, so short rows pay for more
+    padding before unpadding wins; long rows come close to the attention's own ratio. Fitted to the GPU time of a
+    layer's forward + backward on an H200 (docs/tuning.md, "padded rows")."""
+    return 1.25 + (4096 if headdim <= 64 else 2048) / seqlen
 
 
-def _dense_over_padding(mask: torch.Tensor, q_len: int, k_len: int, causal: bool) -> bool:
+def _dense_over_padding(mask: torch.Tensor, q_len: int, k_len: int, causal: bool, headdim: int) -> bool:
     """Whether a padded batch can run the dense kernel as it is, padding included: causal self-attention (q_len ==
     k_len) over rows whose real tokens all come before their padding. A real query then sees real keys only (the
     keys after it are masked), so its output is the unpadded one; a padded query's output is garbage that nothing
-    real reads, as in eager and sdpa, and the loss sends it a zero gradient, which gives its keys none either. That
-    trades the unpadding's gathers and scatters (about 15 small ops a layer, forward and backward, most of the
-    layer's host time at short rows) for attention over the padding, whose GPU time for rows up to
-    DENSE_PADDED_MAX_LEN is estimated at about that of the copies it replaces (docs/tuning.md, "padded rows")."""
-    if not causal or q_len != k_len or k_len > DENSE_PADDED_MAX_LEN:
+    real reads, as in eager and sdpa, and the loss sends it a zero gradient, which gives its keys none either. It
+    also has to pay: the padded rows' causal pairs at most `dense_pairs_bound` times the real tokens'. Decided once
+    per mask tensor, with one host sync."""
+    if not causal or q_len != k_len:
         return False
 
-    def right_padded():
-        real = _real_tokens(mask, k_len)
-        return bool((real[:, 1:] <= real[:, :-1]).all())  # no real token after a padded one
-    return once_per_tensor(mask, ("right padded", k_len), right_padded)
+    def decide():
+        real = _real_tokens(mask, k_len)  # (B, S)
+        lengths = real.sum(1, dtype=torch.float64)  # (B,)
+        ordered = (real[:, 1:] <= real[:, :-1]).all()  # no real token after a padded one
+        ordered, real_pairs = torch.stack([ordered.double(), (lengths * (lengths + 1)).sum() / 2]).tolist()
+        padded_pairs = real.shape[0] * k_len * (k_len + 1) / 2
+        return bool(ordered) and padded_pairs <= dense_pairs_bound(k_len, headdim) * real_pairs
+    return once_per_tensor(mask, ("dense", k_len, headdim), decide)
 
 
 def _padding_layouts(mask: torch.Tensor, k_len: int, q_len: int):
@@ -186,7 +196,7 @@ def _run_padded(q, k, v, mask: torch.Tensor, flash_kwargs: dict) -> torch.Tensor
     batch, q_len = q.shape[:2]
     if k.shape[1] > mask.shape[1]:  # static cache: slots past the mask were never written
         k, v = k[:, : mask.shape[1]], v[:, : mask.shape[1]]
-    if _dense_over_padding(mask, q_len, k.shape[1], flash_kwargs["causal"]):
+    if _dense_over_padding(mask, q_len, k.shape[1], flash_kwargs["causal"], q.shape[-1]):
         return _kernels.flash_attn_func(q, k, v, **flash_kwargs)
     layouts = once_per_tensor(mask, ("padding", k.shape[1], q_len), lambda: _padding_layouts(mask, k.shape[1], q_len))
     (rows_k, cu_k, max_k), (rows_q, cu_q, max_q) = layouts
