@@ -100,11 +100,13 @@ def main():
     parser.add_argument("--out", default=str(REPO / "results" / "latest"))
     parser.add_argument("--history", default=str(REPO / "results" / "history.csv"))
     args = parser.parse_args()
+    import history
     import triton
 
     gpu = torch.cuda.get_device_name()
     lines = [f"## Padded rows through a transformers layer: GPU time, {gpu}", "",
-             f"torch {torch.__version__}, Triton {triton.__version__}, bf16; `python benchmarks/padded_layer.py`. "
+             f"torch {torch.__version__}, Triton {triton.__version__}, bf16, {history.today()}, commit "
+             f"{history.git_commit()}; `python benchmarks/padded_layer.py`. "
              "us per forward + backward; pairs ratio: the padded rows' causal pairs over the real tokens'.", "",
              "| heads | S | rows | real | pairs ratio | rule picks | dense | unpadded | rule | sdpa | wall: dense | "
              "unpadded | sdpa |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -126,8 +128,6 @@ def main():
         (out / "padded_layer.json").write_text(json.dumps(dict(gpu=gpu, torch=torch.__version__,
                                                                triton=triton.__version__, rows=rows), indent=1) + "\n")
     if args.history:
-        import history
-
         figures = []
         for r in rows:
             case = f"padded layer {r['heads']} S {r['seqlen']} x{r['rows']} real {r['real_fraction']:.2f}"
