@@ -22,29 +22,23 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "recipes"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 import flashpatch.integrations.transformers as fp_hf  # noqa: E402
+from profile_kernels import kernel_times  # noqa: E402
 
 HEADS = [(14, 2, 64), (32, 8, 128)]  # (heads, kv heads, head dim)
 MIXED = [(s, None) for s in (256, 512, 1024, 2048, 4096)]  # (row length, real fraction of the other rows)
 SHORT = [(s, f) for s in (1024, 2048, 4096, 8192) for f in (0.1, 0.25, 0.5)]
 
 
-def gpu_us(fn, iters=10) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    kernels = (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return sum(e.time_range.elapsed_us() for e in kernels) / iters
+def gpu_us(fn) -> float:
+    """Kernel time per call, summed over every CUDA kernel the call runs (profile_kernels.kernel_times)."""
+    return sum(ms for _, ms in kernel_times(fn)) * 1000.0
 
 
 def wall_us(fn, iters=20, repeats=5) -> float:
