@@ -7,7 +7,7 @@ without one, transformers hands a custom implementation no padding mask at all).
 
 Batch layouts, decided per call from what the mask function returned and the kwargs:
     2D bool padding mask            -> unpad q/k/v -> flash_attn_varlen_func -> pad back  (left/right padding, q < kv)
-                                       or, causal rows of <= 1024 padded on the right, flash_attn_func as they are
+                                       or flash_attn_func over causal rows padded on the right (dense_pairs_bound)
     1D int32 cu_seqlens             -> flash_attn_varlen_func over documents             (packed rows, position_ids)
     cu_seq_lens_q/k (+ max_length)  -> flash_attn_varlen_func                            (DataCollatorWithFlattening)
     nothing                         -> flash_attn_func                                   (dense, bottom-right causal)
