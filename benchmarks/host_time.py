@@ -25,7 +25,6 @@ share of a model's step, and a floor beside it: a Python autograd.Function that 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -160,6 +159,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     gpu = torch.cuda.get_device_name()
+    import history
     import triton
 
     rows = []
@@ -193,26 +193,17 @@ def main():
                      f"| {r['fpatch'] / r['sdpa']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) "
                      f"| {r['fpatch_thread']:.0f} / {r['sdpa_thread']:.0f} / {r['floor_thread']:.0f} |")
     table = "\n".join(lines)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "host_time.md").write_text(table + "\n")
-        (out / "host_time.json").write_text(json.dumps(dict(gpu=gpu, torch=torch.__version__,
-                                                            triton=triton.__version__, rows=rows), indent=1) + "\n")
-    if args.history:
-        import history
-
-        figures = []
-        for r in rows:
-            case = f"host time {r['shape']} {r['case']}"
-            figures += [(case, "fpatch", "host_us", r["fpatch"]), (case, "fpatch_uncached", "host_us",
-                                                                   r["fpatch_uncached"]),
-                        (case, "sdpa", "host_us", r["sdpa"]),
-                        (case, "fpatch", "host_us_calling_thread", r["fpatch_thread"]),
-                        (case, "sdpa", "host_us_calling_thread", r["sdpa_thread"]),
-                        (case, "autograd_floor", "host_us_calling_thread", r["floor_thread"])]
-        history.append(args.history, history.rows(figures, gpu=gpu, torch_version=torch.__version__,
-                                                  triton_version=triton.__version__))
+    figures = []
+    for r in rows:
+        case = f"host time {r['shape']} {r['case']}"
+        figures += [(case, "fpatch", "host_us", r["fpatch"]),
+                    (case, "fpatch_uncached", "host_us", r["fpatch_uncached"]),
+                    (case, "sdpa", "host_us", r["sdpa"]),
+                    (case, "fpatch", "host_us_calling_thread", r["fpatch_thread"]),
+                    (case, "sdpa", "host_us_calling_thread", r["sdpa_thread"]),
+                    (case, "autograd_floor", "host_us_calling_thread", r["floor_thread"])]
+    history.save_benchmark(args.out, "host_time", table, rows, figures, gpu=gpu, torch_version=torch.__version__,
+                           triton_version=triton.__version__, history_path=args.history)
     print(table)
 
 

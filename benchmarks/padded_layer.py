@@ -15,7 +15,6 @@ tokens. Writes padded_layer.md and padded_layer.json to --out, appends to --hist
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -115,20 +114,13 @@ def main():
                          f"{r['dense_wall_us']:.0f} | {r['unpadded_wall_us']:.0f} | {r['sdpa_wall_us']:.0f} |")
             print(lines[-1], flush=True)
     table = "\n".join(lines)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "padded_layer.md").write_text(table + "\n")
-        (out / "padded_layer.json").write_text(json.dumps(dict(gpu=gpu, torch=torch.__version__,
-                                                               triton=triton.__version__, rows=rows), indent=1) + "\n")
-    if args.history:
-        figures = []
-        for r in rows:
-            case = f"padded layer {r['heads']} S {r['seqlen']} x{r['rows']} real {r['real_fraction']:.2f}"
-            figures += [(case, impl, metric, r[f"{impl}_{metric}"]) for impl in ("dense", "unpadded", "rule", "sdpa")
-                        for metric in ("gpu_us", "wall_us")]
-        history.append(args.history, history.rows(figures, gpu=gpu, torch_version=torch.__version__,
-                                                  triton_version=triton.__version__))
+    figures = []
+    for r in rows:
+        case = f"padded layer {r['heads']} S {r['seqlen']} x{r['rows']} real {r['real_fraction']:.2f}"
+        figures += [(case, impl, metric, r[f"{impl}_{metric}"]) for impl in ("dense", "unpadded", "rule", "sdpa")
+                    for metric in ("gpu_us", "wall_us")]
+    history.save_benchmark(args.out, "padded_layer", table, rows, figures, gpu=gpu, torch_version=torch.__version__,
+                           triton_version=triton.__version__, history_path=args.history)
     print(table)
 
 

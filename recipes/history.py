@@ -1,5 +1,6 @@
-"""results/history.csv: one row per measured figure, appended by benchmarks/bench_attention.py and by
-recipes/train.py on a GPU, so that every figure keeps its date, commit, GPU and versions.
+"""results/history.csv: one row per measured figure, appended by the GPU benchmarks (benchmarks/*.py; host_time.py
+and padded_layer.py write their reports through `save_benchmark`) and by recipes/train.py, so that every figure
+keeps its date, commit, GPU and versions.
 
 Columns: date (UTC, YYYY-MM-DD), commit (`git rev-parse --short HEAD`, "-dirty" when tracked files differ from it,
 "unknown" outside a git checkout), gpu, torch, triton, case, implementation, metric, value.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import json
 import subprocess
 from pathlib import Path
 
@@ -61,3 +63,17 @@ def append(path: str | Path, new_rows: list[dict]) -> Path | None:
             writer.writeheader()
         writer.writerows(new_rows)
     return path
+
+
+def save_benchmark(out: str | Path, stem: str, table: str, report_rows: list[dict], figures, *, gpu: str,
+                   torch_version: str, triton_version: str, history_path: str | Path) -> None:
+    """A GPU benchmark's results: `stem`.md (its table) and `stem`.json (gpu, versions, its rows) written to `out`,
+    and its (case, implementation, metric, value) figures appended to history_path; either skipped when empty."""
+    if out:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{stem}.md").write_text(table + "\n")
+        report = dict(gpu=gpu, torch=torch_version, triton=triton_version, rows=report_rows)
+        (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+    if history_path:
+        append(history_path, rows(figures, gpu=gpu, torch_version=torch_version, triton_version=triton_version))
