@@ -594,6 +594,29 @@ def test_varlen_realistic_mix_bf16(nheads_k, headdim):
                             causal=True)
 
 
+@needs_gluon
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_short_d64_rows_take_the_gluon_dkdv_by_default(dropout_p, monkeypatch):
+    # config.py without overrides: at head dim 64 short causal rows take the Gluon dK/dV, on a varlen batch (no
+    # dropout: its fused dQ) and on dense rows with dropout (beside the Gluon dQ, after the Gluon forward)
+    launches = _record_launches(monkeypatch, [(sm90_fwd, "attn_fwd"), (sm90_fwd, "attn_fwd_varlen"),
+                                              (sm90_dkdv, "attn_bwd_dkdv"), (sm90_dq, "attn_bwd_dq")])
+    if dropout_p == 0:
+        lengths = [1, 17, 113, 512, 0, 300, 64]
+        q, k, v, cu, _ = _varlen_qkv(lengths, lengths, 14, 2, 64, torch.bfloat16)
+        out = flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        assert launches == ["attn_bwd_dkdv"], launches  # the Triton forward on short rows, dQ fused
+        check_against_reference(out, grads, q, k, v, dout, reference=varlen_attention_reference, ref_args=(cu, cu),
+                                causal=True)
+    else:  # rows of 1000 divide no tile
+        calls = _check_dropout_launches((2, 1000, 1000, 12, 4, 64), torch.bfloat16, True, dropout_p, False,
+                                        [(sm90_fwd, "attn_fwd"), (sm90_dkdv, "attn_bwd_dkdv"),
+                                         (sm90_dq, "attn_bwd_dq")], {}, monkeypatch)
+        assert sorted(calls) == [("attn_bwd_dkdv", dropout_p), ("attn_bwd_dq", dropout_p), ("attn_fwd", dropout_p)]
+
+
 def _varlen_qkv(lengths_q, lengths_k, nheads, nheads_k, headdim, dtype, q_scale=1.0):
     """(q, k, v, cu_seqlens_q, cu_seqlens_k) of a packed batch, from seed 0: q (sum lengths_q, H, D) times q_scale,
     k and v (sum lengths_k, Hk, D), all requiring grad."""
@@ -614,6 +637,7 @@ def _varlen_qkv(lengths_q, lengths_k, nheads, nheads_k, headdim, dtype, q_scale=
     # Sq != Sk per sequence, bottom-right causal: the 40 first queries of the last sequence see no key
     dict(lengths_q=[17, 300, 105, 2000], lengths_k=[113, 200, 64, 1999], causal=True, heads=(4, 1), headdim=128),
     dict(lengths_q=[700, 3, 1500, 129], causal=True, heads=(6, 2), headdim=64),  # three consumers, 192 rows
+    dict(lengths_q=[1, 17, 113, 512, 0, 300, 64], causal=True, heads=(14, 2), headdim=64),  # short rows, GQA 7
     dict(lengths_q=[700, 3, 1500, 129], causal=False, heads=(6, 6), headdim=64, alibi=True),
     dict(lengths_q=[1000, 64, 2047], causal=True, heads=(8, 2), headdim=128, alibi=True),
 ], ids=lambda c: (f"{len(c['lengths_q'])}seqs-{'causal' if c['causal'] else 'full'}-h{c['heads'][0]}:"

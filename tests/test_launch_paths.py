@@ -396,21 +396,21 @@ def test_gluon_kernels_chosen_where_they_measured_faster():
         assert on.gluon_fwd and on.gluon_dkdv and on.gluon_dq
         off = kernel_config.configs_for(128, False, masked=masked)
         assert not (off.gluon_fwd or off.gluon_dkdv or off.gluon_dq)
-    # head dim 64: the forward past SHORT, dK/dV on every dense row, with or without GQA; never the dQ pass. With
-    # dropout, and on varlen batches, short causal rows keep the Triton dK/dV
+    # head dim 64: the forward past SHORT, dK/dV on every row (dense or varlen, short or not, with or without GQA);
+    # never the dQ pass on dense rows
     for masked, short, expected in ((False, False, (True, True)), (False, True, (False, True)),
                                     (True, False, (True, True)), (True, True, (False, True))):
         for grouped in (False, True):
             cfg = kernel_config.configs_for(64, True, masked=masked, aligned=True, short=short, grouped=grouped)
             assert (cfg.gluon_fwd, cfg.gluon_dkdv) == expected and not cfg.gluon_dq, (masked, short, grouped)
             packed = kernel_config.configs_for(64, True, masked=masked, short=short, grouped=grouped, varlen=True)
-            assert packed.gluon_dkdv == (not (masked and short)), (masked, short, grouped)
-    # with dropout the same forward rule, masked or not (its drawers beside two consumers), and the Gluon dQ
+            assert (packed.gluon_fwd, packed.gluon_dkdv) == expected and packed.gluon_dq, (masked, short, grouped)
+    # with dropout the Gluon dK/dV and dQ everywhere, and the forward past SHORT or under a causal mask
     for masked in (False, True):
         cfg = kernel_config.configs_for(64, True, masked=masked, dropout=True, aligned=True)
-        assert cfg.gluon_fwd and cfg.gluon_dq, masked
+        assert cfg.gluon_fwd and cfg.gluon_dkdv and cfg.gluon_dq, masked
         short = kernel_config.configs_for(64, True, masked=masked, dropout=True, aligned=True, short=True)
-        assert not short.gluon_fwd and short.gluon_dkdv == (not masked)
+        assert short.gluon_fwd == masked and short.gluon_dkdv and short.gluon_dq, masked
 
 
 def test_d64_masked_dq_tile_varlen_apart_from_ragged_dense_rows():

@@ -3,6 +3,8 @@ float64 reference, then GPU kernel time (torch profiler) per variant. GPU only (
 
     python tools/gluon_check.py [--skip-check] [--shapes 1b,c8k,f8k] [--variants "triton,gluon+fwd+dq"]
 
+--shapes names entries of SHAPES (dense rows) and VARLEN_SHAPES (packed documents, flash_attn_varlen_func).
+
 A variant is a VARIANTS entry (the Gluon dK/dV or not, the grid order) plus extras, each an options.override
 setting: "+fwd" (the Gluon forward), "+pfwd" / "+npfwd" (that forward as a persistent grid or one program per query
 block: persistent_fwd), "+snake" (a persistent causal forward's blocks by the closed form, not the table:
@@ -28,6 +30,7 @@ import flashpatch  # noqa: E402
 from flashpatch import reference  # noqa: E402
 from flashpatch.kernels import options  # noqa: E402
 from flashpatch.kernels.sm90 import dkdv as hk  # noqa: E402
+from bench_attention import varlen_batch, varlen_lengths  # noqa: E402
 from profile_kernels import kernel_times  # noqa: E402
 
 CALLS = {"n": 0}
@@ -69,6 +72,15 @@ SHAPES = {
     "drop64c8k": (2, 8192, 8192, 32, 32, 64, True, 0.1),  # head dim 64 with dropout
     "drop64f8k": (2, 8192, 8192, 32, 32, 64, False, 0.1),
     "drop64c2k": (8, 2048, 2048, 12, 4, 64, True, 0.1),  # configs/llama_125m.yaml's heads with dropout
+    "drop64c1k": (8, 1024, 1024, 12, 4, 64, True, 0.1),  # short rows with dropout
+    "drop64c512": (16, 512, 512, 14, 2, 64, True, 0.1),
+}
+# name: (document lengths, heads, kv heads, head dim, causal): varlen batches (bench_attention.varlen_lengths)
+VARLEN_SHAPES = {
+    "v64rows512": (varlen_lengths(low=64, high=512, seed=1, count=16), 14, 2, 64, True),  # the LoRA recipe's rows
+    "v64docs1k": (varlen_lengths(total=16384, low=64, high=1024, seed=2), 12, 4, 64, True),  # short packed documents
+    "v64docs1kmha": (varlen_lengths(total=16384, low=64, high=1024, seed=2), 16, 16, 64, True),
+    "v64mix": (varlen_lengths(), 16, 16, 64, True),  # bench_attention.py's varlen mix
 }
 VARIANTS = {  # name: (Gluon dK/dV (None: config's choice of every kernel), the grid order: options' head_group)
     "default": (None, None),
@@ -176,15 +188,35 @@ def check():
     print("CHECK", "PASS" if ok else "FAIL", flush=True)
 
 
+def timing_inputs(shape: str):
+    """(q, k, v, dout, causal, dropout p, backward FLOPs, (cu_seqlens, longest document) or None) of a SHAPES or
+    VARLEN_SHAPES entry."""
+    if shape in VARLEN_SHAPES:
+        lengths, h, hk_, d, causal = VARLEN_SHAPES[shape]
+        q, k, v, dout, cu = varlen_batch(lengths, h, hk_, d)  # (T, H, D), (T, Hk, D)
+        flops = 2.5 * 4 * h * d * sum(n * n for n in lengths) / (2 if causal else 1)
+        return q, k, v, dout, causal, 0.0, flops, (cu, max(lengths))
+    b, sq, sk, h, hk_, d, causal, *dropout = SHAPES[shape]
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, sk, hk_, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+    dout = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
+    flops = 2.5 * 4 * b * h * sq * sk * d / (2 if causal else 1)
+    return q, k, v, dout, causal, (dropout or [0.0])[0], flops, None
+
+
+def varlen_grads(q, k, v, dout, varlen, causal, gluon, gluon_fwd=False, gluon_dq=False):
+    cu, longest = varlen
+    fields = {} if gluon is None else dict(gluon_dkdv=gluon, gluon_fwd=gluon_fwd, gluon_dq=gluon_dq)
+    with options.override(**fields):
+        out = flashpatch.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+
 def timing(shapes, variants):
     print("| shape | variant | forward ms | fwd TFLOP/s | dK/dV ms | dQ ms | backward ms | bwd TFLOP/s |\n"
           "|---|---|---|---|---|---|---|---|")
     for shape in shapes:
-        b, sq, sk, h, hk_, d, causal, *dropout = SHAPES[shape]
-        q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k, v = (torch.randn(b, sk, hk_, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
-        dout = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
-        flops = 2.5 * 4 * b * h * sq * sk * d / (2 if causal else 1)
+        q, k, v, dout, causal, dropout_p, flops, varlen = timing_inputs(shape)
         for name in variants:
             base, *extras = name.split("+")  # +fwd: the Gluon forward; +dq: the Gluon dQ
             gluon_fwd = bool({"fwd", "pfwd", "npfwd"} & set(extras))
@@ -193,7 +225,10 @@ def timing(shapes, variants):
             settings = {"head_group": order, **extras_options(extras)}
 
             def step():
-                grads(q, k, v, dout, causal, gluon, gluon_fwd, gluon_dq, *dropout)
+                if varlen is not None:
+                    varlen_grads(q, k, v, dout, varlen, causal, gluon, gluon_fwd, gluon_dq)
+                else:
+                    grads(q, k, v, dout, causal, gluon, gluon_fwd, gluon_dq, dropout_p)
             try:
                 with options.override(**settings):
                     times = dict(kernel_times(step, iters=20))
@@ -213,7 +248,8 @@ def timing(shapes, variants):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-check", action="store_true")
-    parser.add_argument("--shapes", default="1b,c4k,c8k,f4k,f8k,d64c8k")
+    parser.add_argument("--shapes", default="1b,c4k,c8k,f4k,f8k,d64c8k",
+                        help="SHAPES and VARLEN_SHAPES names, comma-separated")
     parser.add_argument("--variants", default="triton,gluon+fwd+dq")
     parser.add_argument("--check-extras", default="", help="extras for the check, e.g. nofold+norkv")
     parser.add_argument("--check-head-group", type=int, default=None,

@@ -82,8 +82,8 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
     """Launch settings measured by benchmarks/tune_kernels.py (bf16, B*N = 16k, H*D = 2048; docs/tuning.md, by head
     dim and case). `masked`: causal or windowed, where the forward prefers narrower key tiles (less work wasted on
     the diagonal) and the d64 dK/dV kernel a deeper pipeline. `dropout`: the unmasked d128 forward keeps the narrow
-    key tile too (the 128-wide one ties with spills and 229 KB of shared memory); at d64 the Gluon dQ runs, and the
-    Gluon forward only with a mask.
+    key tile too (the 128-wide one ties with spills and 229 KB of shared memory); at d64 the Gluon dQ runs, and on short
+    rows the Gluon forward under a causal mask.
     `aligned` (ops._aligned): dense rows whose lengths every tile divides, so the loads carry no bounds masks; some
     tiles win only then and lose on varlen batches (benchmarks/tune_varlen.py).
     `short`: at most SHORT queries, where a grid of 128-row tiles leaves too few programs to fill the SMs evenly.
@@ -131,10 +131,11 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
                                 tma=masked and not (dropout and block_d < 64)),
             atomic_dq=False,
             # The Gluon forward (three consumer warpgroups, sm90.fwd.CONSUMERS_BY_HEADDIM; with dropout two beside
-            # their drawer warps) wins with or without the mask but on short rows. The Gluon dQ loses on dense rows
+            # their drawer warps) wins with or without the mask but on short rows, where only its dropout form under
+            # a causal mask still wins (GPU us, 8 x 1024 GQA 12/4: 95 -> 82). The Gluon dQ loses on dense rows
             # at head dim 64 but with dropout, and on varlen batches runs with the Gluon dK/dV, which reads the LSE
             # it pads (varlen mix: 282 TFLOP/s fwd+bwd against 254).
-            gluon_fwd=not short,
+            gluon_fwd=not short or (masked and dropout),
             gluon_dq=varlen or dropout,
             # The dK/dV adds dQ itself (reading K from shared memory, sm90.dkdv.register_kv): without dropout
             # wherever the Gluon dK/dV runs (bwd TFLOP/s, causal n2048 297 -> 336, full n2048 373 -> 388, the varlen
@@ -142,10 +143,10 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
             # with dropout from long rows on, sparing the dQ pass its second draw of the keep bits (causal n8192
             # 9.41 -> 4.67 ms; docs/tuning.md)
             fused_dq=long_keys if dropout else not (windowed or softcapped),
-            # The Gluon dK/dV, on short causal dense rows too since it stores by TMA and adds dQ itself (bwd TFLOP/s,
-            # Triton -> Gluon: causal n512 144 -> 155, n1024 207 -> 213); there with dropout or on varlen batches
-            # (neither measured) the Triton one as before
-            gluon_dkdv=not (masked and short and (dropout or varlen)),
+            # The Gluon dK/dV everywhere: on short causal rows (bwd TFLOP/s, Triton -> Gluon: causal n512 144 -> 155,
+            # n1024 207 -> 213), and there with dropout or on varlen batches (fwd+bwd GPU us: 16 rows of 64-512,
+            # GQA 14/2, 166 -> 112; 8 x 1024 with dropout, GQA 12/4, 577 -> 325)
+            gluon_dkdv=True,
         )
     elif block_d <= 128 and masked:
         # Head dim 128 with a mask (docs/tuning.md, "d128 masked tiles"). dK/dV: FlexAttention's sm90 tile (64
