@@ -9,6 +9,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flashpatch.kernels.launch import cdiv, launch, next_power_of_2
+from flashpatch.kernels.triton.rows import gather_rows_kernel, scatter_rows_kernel
+
+_INTERPRETED = type(gather_rows_kernel).__name__ == "InterpretedFunction"
+
 
 def _check_mask(attention_mask: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
     if attention_mask.dim() != 2:
@@ -89,8 +94,19 @@ class RowIndex:
     as (B, S, H, D) of (B, H, S, D) memory."""
 
     def __init__(self, indices: torch.Tensor, seqlen: int):  # indices: (T,) int64 flat positions in B * S
+        self.indices = indices
+        self.seqlen = seqlen
         self.batch_index = torch.div(indices, seqlen, rounding_mode="floor")  # (T,)
         self.position = indices - self.batch_index * seqlen  # (T,)
+        self._row_of: torch.Tensor | None = None
+
+    def row_of(self, batch: int) -> torch.Tensor:
+        """(batch * S,) int32: each padded position's row among the T real tokens, -1 at padding (made once)."""
+        if self._row_of is None or self._row_of.numel() != batch * self.seqlen:
+            row_of = torch.full((batch * self.seqlen,), -1, dtype=torch.int32, device=self.indices.device)
+            row_of[self.indices] = torch.arange(self.indices.numel(), dtype=torch.int32, device=self.indices.device)
+            self._row_of = row_of
+        return self._row_of
 
 
 def covers_its_span(shape, stride) -> bool:
@@ -103,6 +119,46 @@ def covers_its_span(shape, stride) -> bool:
     return True
 
 
+def _kernels_run(t: torch.Tensor) -> bool:
+    """Whether Triton kernels run on t's device: CUDA, or any under the Triton interpreter."""
+    return t.is_cuda or _INTERPRETED
+
+
+def _by_kernel(t: torch.Tensor) -> bool:
+    """Whether the row-move kernels (kernels/triton/rows.py) take t: (B, S, H, D), where the kernels run."""
+    return t.dim() == 4 and _kernels_run(t)
+
+
+def _launch_rows(kernel, grid: tuple, t: torch.Tensor, *args, nheads: int, headdim: int) -> None:
+    """A row-move launch on t's device, (head, column) blocks of about 4096 elements a program."""
+    block_d = next_power_of_2(headdim)
+    block_h = min(next_power_of_2(nheads), max(1, 4096 // block_d))
+    grid = (grid[0], cdiv(nheads, block_h))
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        with torch.cuda.device(t.device):
+            launch(kernel, grid, *args, nheads, headdim, BLOCK_H=block_h, BLOCK_D=block_d)
+    else:
+        launch(kernel, grid, *args, nheads, headdim, BLOCK_H=block_h, BLOCK_D=block_d)
+
+
+def _gather(t: torch.Tensor, index: RowIndex) -> torch.Tensor:
+    """(B, S, H, D) -> its rows at index, (T, H, D) contiguous."""
+    rows = torch.empty(index.indices.numel(), *t.shape[2:], dtype=t.dtype, device=t.device)
+    if rows.numel():
+        _launch_rows(gather_rows_kernel, (rows.shape[0],), t, t, rows, index.batch_index, index.position,
+                     *t.stride(), nheads=t.shape[2], headdim=t.shape[3])
+    return rows
+
+
+def _scatter_into(full: torch.Tensor, rows: torch.Tensor, index: RowIndex) -> torch.Tensor:
+    """Writes all of `full` (B, S, H, D): rows (T, H, D) at index, zeros elsewhere."""
+    if full.numel():
+        batch, seqlen = full.shape[:2]
+        _launch_rows(scatter_rows_kernel, (batch * seqlen,), full, rows.contiguous(), full, index.row_of(batch),
+                     seqlen, *full.stride(), nheads=full.shape[2], headdim=full.shape[3])
+    return full
+
+
 class _GatherRows(torch.autograd.Function):
     """(B, S, ...) tensors -> their rows at `index`, (T, ...) each. Backward: each gradient scattered into zeros laid
     out like its input where that layout covers its memory once (no sort: the rows are distinct, so nothing
@@ -112,7 +168,7 @@ class _GatherRows(torch.autograd.Function):
     def forward(ctx, index: RowIndex, *tensors):
         ctx.index = index
         ctx.inputs = [(t.shape, t.stride(), t.dtype, t.device) for t in tensors]
-        return tuple(t[index.batch_index, index.position] for t in tensors)
+        return tuple(_gather(t, index) if _by_kernel(t) else t[index.batch_index, index.position] for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -123,10 +179,13 @@ class _GatherRows(torch.autograd.Function):
                 out.append(None)
                 continue
             if covers_its_span(shape, stride):  # the gradient in the input's memory order
-                full = torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+                full = torch.empty_strided(shape, stride, dtype=dtype, device=device)
             else:  # gaps or overlaps (an expanded view): one value per element needs a layout of its own
-                full = torch.zeros(shape, dtype=dtype, device=device)
-            full.index_put_((index.batch_index, index.position), grad)
+                full = torch.empty(shape, dtype=dtype, device=device)
+            if _by_kernel(full):
+                _scatter_into(full, grad, index)
+            else:
+                full.zero_().index_put_((index.batch_index, index.position), grad)
             out.append(full)
         return tuple(out)
 
@@ -136,9 +195,25 @@ def gather_rows(index: RowIndex, *tensors: torch.Tensor) -> tuple[torch.Tensor, 
     return _GatherRows.apply(index, *tensors)
 
 
+class _ScatterRows(torch.autograd.Function):
+    """(T, H, D) rows -> (B, S, H, D) with zeros where `index` has no row. Backward: the gradient's rows."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, index: RowIndex, batch: int, seqlen: int):
+        ctx.index = index
+        full = torch.empty(batch, seqlen, *rows.shape[1:], dtype=rows.dtype, device=rows.device)
+        return _scatter_into(full, rows, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.index), None, None, None
+
+
 def scatter_rows(rows: torch.Tensor, index: RowIndex, batch: int, seqlen: int) -> torch.Tensor:
     """(T, ...) rows -> (batch, seqlen, ...) with zeros where `index` has no row; differentiable (its backward
     gathers)."""
+    if rows.dim() == 3 and _kernels_run(rows):
+        return _ScatterRows.apply(rows, index, batch, seqlen)
     out = rows.new_zeros(batch, seqlen, *rows.shape[1:])
     out[index.batch_index, index.position] = rows
     return out

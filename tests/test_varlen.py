@@ -133,7 +133,7 @@ def test_unpad_pad_round_trip_left_padding():
 
 
 
-def test_row_gather_and_scatter_match_flat_indexing_in_the_inputs_memory_order():
+def test_row_gather_and_scatter_match_flat_indexing_in_the_inputs_memory_order(device):
     """The padded path's row moves (padding.gather_rows / scatter_rows) against indexing a flattened copy: same
     values, same gradients, and each gradient laid out like its input (a (B, S, H, D) view of (B, H, S, D) memory, as
     transformers hands over q, k and v), with zeros at padding. Queries fewer than keys (a KV cache) index their own
@@ -142,13 +142,13 @@ def test_row_gather_and_scatter_match_flat_indexing_in_the_inputs_memory_order()
 
     torch.manual_seed(3)
     batch, seqlen, nheads, headdim = 3, 9, 2, 4
-    mask = torch.ones(batch, seqlen, dtype=torch.bool)
+    mask = torch.ones(batch, seqlen, dtype=torch.bool, device=device)
     mask[0, 6:] = False  # right padding
     mask[2, :4] = False  # left padding
     for q_len in (seqlen, 5):
         keys, _, _ = padding_layout(mask)
         queries, _, _ = padding_layout(mask[:, -q_len:])
-        memory = [torch.randn(batch, h, s, headdim, dtype=torch.float64, requires_grad=True)
+        memory = [torch.randn(batch, h, s, headdim, dtype=torch.float64, device=device, requires_grad=True)
                   for h, s in ((nheads, q_len), (1, seqlen), (1, seqlen))]  # (B, H, S, D)
         q, k, v = (t.transpose(1, 2) for t in memory)  # (B, S, H, D) views
         (q_rows,) = gather_rows(RowIndex(queries, q_len), q)
@@ -167,12 +167,28 @@ def test_row_gather_and_scatter_match_flat_indexing_in_the_inputs_memory_order()
         (grad,) = torch.autograd.grad((out * 2).sum(), q_rows)
         assert torch.equal(grad, torch.full_like(grad, 2.0))
     # an expanded input (stride 0 over its heads) gets a gradient of its own layout, summed over the shared heads
-    base = torch.randn(batch, seqlen, 1, headdim, dtype=torch.float64, requires_grad=True)
+    base = torch.randn(batch, seqlen, 1, headdim, dtype=torch.float64, device=device, requires_grad=True)
     (rows,) = gather_rows(RowIndex(keys, seqlen), base.expand(batch, seqlen, 3, headdim))
     weight = torch.randn_like(rows)
     (grad,) = torch.autograd.grad((rows * weight).sum(), base)
-    want = torch.zeros(batch * seqlen, headdim, dtype=torch.float64).index_add_(0, keys, weight.sum(1))
+    want = torch.zeros(batch * seqlen, headdim, dtype=torch.float64, device=device).index_add_(0, keys, weight.sum(1))
     assert torch.equal(grad, want.view(batch, seqlen, 1, headdim))
+
+def test_row_scatter_writes_every_position_of_its_output(device):
+    """The scatter kernel (kernels/triton/rows.py) writes the whole padded tensor, zeros at padding, so the memory it
+    is given may hold anything: here NaN, in a (B, S, H, D) view of (B, H, S, D) memory."""
+    from flashpatch.padding import RowIndex, _scatter_into, padding_layout
+
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1], [0, 0, 0, 0, 0]], dtype=torch.bool, device=device)
+    indices, _, _ = padding_layout(mask)
+    index = RowIndex(indices, 5)
+    rows = torch.randn(indices.numel(), 3, 5, device=device)  # (T, H, D): a head dim below its block
+    full = torch.full((3, 3, 5, 5), float("nan"), device=device).transpose(1, 2)  # (B, S, H, D)
+    _scatter_into(full, rows, index)
+    want = torch.zeros(3, 5, 3, 5, device=device)
+    want[mask] = rows
+    assert torch.equal(full, want)
+
 
 BAD_CU = [
     (lambda cu: cu.long(), TypeError, "int32"),
