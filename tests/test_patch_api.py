@@ -292,17 +292,17 @@ def test_dense_over_padding_takes_only_causal_rows_padded_on_the_right(monkeypat
         assert not fp_hf._dense_over_padding(torch.tensor(refused), 4, 4, causal=True, headdim=128)
     nothing_real = torch.zeros(2, 4, dtype=torch.long)
     assert not fp_hf._dense_over_padding(nothing_real, 4, 4, causal=True, headdim=128)
-    # rows of 4096 at head dim 128 (bound 1.75): a second row of 2000 real tokens gives the padded rows 1.62x the
-    # real pairs, one of 1000 gives 1.89x; rows of 16 with 16 and 2 real tokens give 1.96x, under the 129.25 that
+    # rows of 4096 at head dim 128 (bound 1.325): a third row of 3000 real tokens gives the padded rows 1.18x the
+    # real pairs, one of 2000 gives 1.34x; rows of 16 with 16 and 2 real tokens give 1.96x, under the 33.2 that
     # rows of 16 allow
-    lengths = {"dense": [4096, 2000], "unpadded": [4096, 1000], "short rows": [16, 2]}
+    lengths = {"dense": [4096, 4096, 3000], "unpadded": [4096, 4096, 2000], "short rows": [16, 2]}
     masks = {name: (torch.arange(n[0])[None, :] < torch.tensor(n)[:, None]).long() for name, n in lengths.items()}
     assert fp_hf._dense_over_padding(masks["dense"], 4096, 4096, causal=True, headdim=128)
     assert not fp_hf._dense_over_padding(masks["unpadded"], 4096, 4096, causal=True, headdim=128)
     assert fp_hf._dense_over_padding(masks["short rows"], 16, 16, causal=True, headdim=128)
-    # at head dim 64 the bound at 4096 is 2.25: the second batch runs dense too
+    # at head dim 64 the bound at 4096 is 1.45: the second batch runs dense too
     assert fp_hf._dense_over_padding(masks["unpadded"], 4096, 4096, causal=True, headdim=64)
-    monkeypatch.setattr(fp_hf, "dense_pairs_bound", lambda seqlen, headdim: 1.5)
+    monkeypatch.setattr(fp_hf, "dense_pairs_bound", lambda seqlen, headdim: 1.1)
     assert not fp_hf._dense_over_padding(masks["dense"].clone(), 4096, 4096, causal=True, headdim=128)
     monkeypatch.undo()
     with pytest.raises(ValueError, match=r"0/1 padding mask \(1 = real token\); got values \[0, 1, 2\]"):

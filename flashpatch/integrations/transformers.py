@@ -122,13 +122,12 @@ def _real_tokens(mask: torch.Tensor, k_len: int) -> torch.Tensor:
 
 def dense_pairs_bound(seqlen: int, headdim: int) -> float:
     """How many times the real tokens' causal (query, key) pairs a padded batch's rows of `seqlen` may hold for
-    `_dense_over_padding` to run them as they are: 1.25 + 2048 / seqlen (3.25 at 1024, 1.75 at 4096), with 4096 in
-    place of 2048 at head dims up to 64, where the unpadded path measured slower (on rows of at most 1024 queries it
-    runs the portable dK/dV, whose GQA grid holds few programs per sequence). The unpadded path's
-    gathers, scatters and zero fills cost GPU time per token and host time per call, so short rows pay for more
+    `_dense_over_padding` to run them as they are: 1.2 + 512 / seqlen (1.7 at 1024, 1.325 at 4096), with 1024 in
+    place of 512 at head dims up to 64, whose kernels do less work per pair. The unpadded path's gathers and
+    scatters (kernels/triton/rows.py) cost GPU time per token and host time per call, so short rows pay for more
     padding before unpadding wins; long rows come close to the attention's own ratio. Fitted to the GPU time of a
     layer's forward + backward on an H200 (docs/tuning.md, "padded rows")."""
-    return 1.25 + (4096 if headdim <= 64 else 2048) / seqlen
+    return 1.2 + (1024 if headdim <= 64 else 512) / seqlen
 
 
 def _dense_over_padding(mask: torch.Tensor, q_len: int, k_len: int, causal: bool, headdim: int) -> bool:
