@@ -21,7 +21,7 @@ def gather_rows_kernel(
 ):
     """DST[t] = SRC[BATCH_INDEX[t], POSITION[t]]: program (t, head block)."""
     t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)  # int64: strides times heads
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h[:, None] < nheads) & (offs_d[None, :] < headdim)
     b = tl.load(BATCH_INDEX + t)
@@ -39,11 +39,12 @@ def scatter_rows_kernel(
 ):
     """DST[b, s] = SRC[ROW_OF[b * S + s]], or zeros where that is -1: program (b * S + s, head block)."""
     r = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h[:, None] < nheads) & (offs_d[None, :] < headdim)
-    t = tl.load(ROW_OF + r).to(tl.int64) + tl.zeros([BLOCK_H, 1], tl.int64)  # a column: the interpreter masks
-    src = SRC + (t * nheads + offs_h[:, None]) * headdim + offs_d[None, :]  # with tensors, not scalars
+    # the row as a (BLOCK_H, 1) column, not a scalar: the interpreter takes a mask built from tensors only
+    t = tl.load(ROW_OF + r).to(tl.int64) + tl.zeros([BLOCK_H, 1], tl.int64)
+    src = SRC + (t * nheads + offs_h[:, None]) * headdim + offs_d[None, :]
     values = tl.load(src, mask=mask & (t >= 0), other=0.0)
     b = r // seqlen
     s = r - b * seqlen
