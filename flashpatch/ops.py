@@ -13,7 +13,6 @@ No argument checking here: flashpatch.validation does it in the public layer.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import threading
 from typing import Any, Callable, Optional
@@ -24,7 +23,7 @@ import triton
 from flashpatch.kernels import config as kernel_config
 from flashpatch.kernels import options as kernel_options
 from flashpatch.kernels import sm90
-from flashpatch.kernels.launch import Record, cdiv, launch, next_power_of_2, replay
+from flashpatch.kernels.launch import Record, cdiv, launch, next_power_of_2, on_input_device, replay
 from flashpatch.kernels.triton.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from flashpatch.kernels.triton.common import alibi_batch_stride
 from flashpatch.kernels.triton.dropout import dropout_mask_kernel
@@ -277,20 +276,6 @@ def _mean_keys_seen(seqlen_q: int, seqlen_k: int, window_left: int, window_right
     return 0.0
 
 
-def _on_input_device(fn):
-    """fn run with the current CUDA device set to its first argument's, as flash-attn's CUDAGuard does: Triton
-    launches on the current device (and allocates TMA descriptor scratch there), so without it a model spread over
-    GPUs in one process (transformers' device_map) would launch its later layers on the wrong GPU."""
-    @functools.wraps(fn)
-    def on_device(*args, **kwargs):
-        t = args[0]
-        if t.is_cuda and t.device.index != torch.cuda.current_device():
-            with torch.cuda.device(t.device):
-                return fn(*args, **kwargs)
-        return fn(*args, **kwargs)
-    return on_device
-
-
 _MAX_PLANS = 1024  # call signatures kept; a process meeting more starts over
 _plans: dict[tuple, Any] = {}
 
@@ -379,7 +364,7 @@ def batch_size(q: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor]) -> int:
     return cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else q.shape[0]
 
 
-@_on_input_device
+@on_input_device
 def attn_fwd_impl(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -538,7 +523,7 @@ def _bwd_plan(q, k, v, dout, varlen, batch, max_seqlen_q, max_seqlen_k, window_l
                     key if opts.cached_launch else None)
 
 
-@_on_input_device
+@on_input_device
 def attn_bwd_impl(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -722,7 +707,7 @@ def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     return _grad_like(q), _grad_like(k), _grad_like(v)
 
 
-@_on_input_device
+@on_input_device
 def dropout_pattern(
     seed_offset: torch.Tensor, batch: int, nheads: int, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float
 ) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flashpatch.kernels.launch import cdiv, launch, next_power_of_2
+from flashpatch.kernels.launch import cdiv, launch, next_power_of_2, on_input_device
 from flashpatch.kernels.triton.rows import gather_rows_kernel, scatter_rows_kernel
 
 _INTERPRETED = type(gather_rows_kernel).__name__ == "InterpretedFunction"
@@ -129,33 +129,30 @@ def _by_kernel(t: torch.Tensor) -> bool:
     return t.dim() == 4 and _kernels_run(t)
 
 
-def _launch_rows(kernel, grid: tuple, t: torch.Tensor, *args, nheads: int, headdim: int) -> None:
-    """A row-move launch on t's device, (head, column) blocks of about 4096 elements a program."""
+def _launch_rows(kernel, rows: int, *args, nheads: int, headdim: int) -> None:
+    """A row-move launch over `rows` rows, (head, column) blocks of about 4096 elements a program."""
     block_d = next_power_of_2(headdim)
     block_h = min(next_power_of_2(nheads), max(1, 4096 // block_d))
-    grid = (grid[0], cdiv(nheads, block_h))
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
-        with torch.cuda.device(t.device):
-            launch(kernel, grid, *args, nheads, headdim, BLOCK_H=block_h, BLOCK_D=block_d)
-    else:
-        launch(kernel, grid, *args, nheads, headdim, BLOCK_H=block_h, BLOCK_D=block_d)
+    launch(kernel, (rows, cdiv(nheads, block_h)), *args, nheads, headdim, BLOCK_H=block_h, BLOCK_D=block_d)
 
 
+@on_input_device
 def _gather(t: torch.Tensor, index: RowIndex) -> torch.Tensor:
     """(B, S, H, D) -> its rows at index, (T, H, D) contiguous."""
     rows = torch.empty(index.indices.numel(), *t.shape[2:], dtype=t.dtype, device=t.device)
     if rows.numel():
-        _launch_rows(gather_rows_kernel, (rows.shape[0],), t, t, rows, index.batch_index, index.position,
-                     *t.stride(), nheads=t.shape[2], headdim=t.shape[3])
+        _launch_rows(gather_rows_kernel, rows.shape[0], t, rows, index.batch_index, index.position, *t.stride(),
+                     nheads=t.shape[2], headdim=t.shape[3])
     return rows
 
 
+@on_input_device
 def _scatter_into(full: torch.Tensor, rows: torch.Tensor, index: RowIndex) -> torch.Tensor:
     """Writes all of `full` (B, S, H, D): rows (T, H, D) at index, zeros elsewhere."""
     if full.numel():
         batch, seqlen = full.shape[:2]
-        _launch_rows(scatter_rows_kernel, (batch * seqlen,), full, rows.contiguous(), full, index.row_of(batch),
-                     seqlen, *full.stride(), nheads=full.shape[2], headdim=full.shape[3])
+        _launch_rows(scatter_rows_kernel, batch * seqlen, rows.contiguous(), full, index.row_of(batch), seqlen,
+                     *full.stride(), nheads=full.shape[2], headdim=full.shape[3])
     return full
 
 

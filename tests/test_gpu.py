@@ -1066,7 +1066,7 @@ def test_deterministic_bitwise_repeat_bf16():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs in one process")
 def test_tensors_on_another_gpu_than_the_current_one_bf16():
-    # ops._on_input_device: a model spread over GPUs (device_map) calls attention with the current device elsewhere
+    # launch.on_input_device: a model spread over GPUs (device_map) calls attention with the current device elsewhere
     torch.cuda.set_device(0)
     q, k, v = random_qkv(2, 1000, 1000, 8, 2, 128, torch.bfloat16, device="cuda:1")
     out = flashpatch.flash_attn_func(q, k, v, causal=True, dropout_p=0.0)

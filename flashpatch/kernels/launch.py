@@ -28,6 +28,7 @@ wrapper does not run. A descriptor is re-encoded from its new base pointer (the 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -323,6 +324,20 @@ def launch(kernel, grid: tuple, *args, cached_launch: bool = True, on_stream: Op
     grid_2 = grid[2] if len(grid) > 2 else 1
     compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, None, None, None,
                  *args, *tail)
+
+
+def on_input_device(fn):
+    """fn run with the current CUDA device set to its first argument's, as flash-attn's CUDAGuard does: Triton
+    launches on the current device (and allocates TMA descriptor scratch there), so without it a model spread over
+    GPUs in one process (transformers' device_map) would launch its later layers on the wrong GPU."""
+    @functools.wraps(fn)
+    def on_device(*args, **kwargs):
+        t = args[0]
+        if t.is_cuda and t.device.index != torch.cuda.current_device():
+            with torch.cuda.device(t.device):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return on_device
 
 
 def cdiv(a: int, b: int) -> int:
