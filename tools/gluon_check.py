@@ -255,6 +255,10 @@ def main():
     parser.add_argument("--check-head-group", type=int, default=None,
                         help="the check's grid order (config.head_group); default: its rule")
     args = parser.parse_args()
+    unknown = [name for name in args.shapes.split(",") if name not in SHAPES and name not in VARLEN_SHAPES]
+    if unknown:
+        raise ValueError(f"--shapes: {unknown} name no shape; SHAPES: {', '.join(SHAPES)}; VARLEN_SHAPES: "
+                         f"{', '.join(VARLEN_SHAPES)}")
     if not args.skip_check:
         with options.override(head_group=args.check_head_group, **extras_options(args.check_extras.split("+"))):
             check()
