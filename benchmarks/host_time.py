@@ -10,9 +10,10 @@ host's speed (the GPU machines' CPUs vary by tens of percent over a minute) reac
 spread of flashpatch / SDPA over the runs. Cases: dense causal rows (the 1B model's and the 121M model's
 heads), the same with dropout 0.1, and a padded batch (flashpatch: flash_attn_varlen_func on unpadded tokens;
 SDPA: a boolean padding mask; at the LoRA recipe's heads, 16 rows of 64-512 tokens), and that batch as a transformers
-model's layer hands it to its attention function (flashpatch's unpads the rows around the kernels, transformers' sdpa
-function takes a 4-D mask). flashpatch runs with its launch cache (options.KernelOptions.cached_launch) and without
-it.
+model's layer hands it to its attention function (transformers' sdpa function takes a 4-D mask; flashpatch's runs
+these right-padded causal rows dense over their padding), once padded on the right and once on the left (which
+flashpatch's function unpads around the kernels). flashpatch runs with its launch cache
+(options.KernelOptions.cached_launch) and without it.
 
 A lone forward + backward also pays autograd's hand-off: the engine runs a CUDA backward on a device thread of its
 own, waking it and then the caller. A model's backward pays that once for all its layers, so the table also times
@@ -116,9 +117,12 @@ def cases(shape, padded_only=False):
     keep = torch.arange(s, device=dev)[None, :] < lengths[:, None].long()  # (B, S) keys that are real
     causal = torch.ones(s, s, device=dev, dtype=torch.bool).tril()
     mask = (keep[:, None, None, :] & causal)  # (B, 1, S, S)
+    left = keep.flip(1)  # the same rows padded on the left, which flashpatch always unpads
+    left_mask = left[:, None, None, :] & causal
 
     # the same batch as a transformers model's layer hands it over: (B, H, S, D) states and the model's mask (a 2-D
-    # padding mask for fpatch, whose rows are unpadded and padded back around the kernels; 4-D for sdpa)
+    # padding mask for fpatch, which runs these right-padded causal rows dense, and unpads them once padded on the
+    # left; 4-D for sdpa)
     layer = torch.nn.Module()
     layer.is_causal, layer.num_key_value_groups = True, h // hk
     doutl = doutp.transpose(1, 2)  # (B, S, H, D), as both functions return
@@ -132,7 +136,10 @@ def cases(shape, padded_only=False):
                          .backward(doutp), floor(qv, kv_, vv, doutv)),
               "padded, a transformers layer": (through_transformers(fpatch_attention_forward, keep),
                                                through_transformers(sdpa_attention_forward, mask),
-                                               floor(qv, kv_, vv, doutv))}
+                                               floor(qv, kv_, vv, doutv)),
+              "padded on the left, a transformers layer": (through_transformers(fpatch_attention_forward, left),
+                                                           through_transformers(sdpa_attention_forward, left_mask),
+                                                           floor(qv, kv_, vv, doutv))}
     if padded_only:
         return padded
     q = torch.randn(b, s, h, d, device=dev, dtype=dt, requires_grad=True)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from flashpatch.autograd import FlashAttnFunction
+from flashpatch.autograd import FlashAttnFunction, PaddedAttnFunction
+from flashpatch.padding import RowIndex
 from flashpatch.validation import check_alibi_slopes, check_attention_args, check_cu_seqlens, check_unsupported, unpack
 
 
@@ -126,6 +127,44 @@ def flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), args, deterministic,
         return_attn_probs, alibi_slopes,
     )
+
+
+def padded_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rows_q: RowIndex,
+    rows_k: RowIndex,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] | list[int] | torch.Tensor = (-1, -1),
+    softcap: float = 0.0,
+    deterministic: bool = False,
+) -> torch.Tensor:
+    """`flash_attn_varlen_func` over the real tokens of padded batches, taking and returning the padded layout (the
+    transformers integration's padded path; not a flash-attn function).
+
+    Arguments:
+        q: (batch, seqlen_q, nheads, headdim), any strides with a contiguous last dimension
+        k, v: (batch, seqlen_k, nheads_k, headdim), likewise
+        rows_q, rows_k: padding.RowIndex of the real queries and keys (the same object where they share a mask);
+            cu_seqlens_q, cu_seqlens_k and max_seqlen_q, max_seqlen_k as `padding.padding_layout` gives them for
+            those tokens.
+        Other arguments as in `flash_attn_varlen_func`: causal and window alignment is bottom-right per sequence,
+        over its real tokens.
+
+    Returns:
+        out: (batch, seqlen_q, nheads, headdim), zeros at padded queries; gradients flow to q, k and v, zeros at
+        their padding.
+    """
+    args = check_attention_args(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, varlen=False)
+    return PaddedAttnFunction.apply(q, k, v, rows_q, rows_k, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                    int(max_seqlen_k), args, deterministic)
 
 
 # flash-attn 2's packed variants: the packed tensor is split into views (no copy), so the kernels read it in place.

@@ -40,7 +40,7 @@ LOG2E = math.log2(math.e)
 _INTERPRETED = type(attn_fwd_kernel).__name__ == "InterpretedFunction"
 
 
-def _check_runnable(t: torch.Tensor) -> None:
+def check_runnable(t: torch.Tensor) -> None:
     if t.device.type != "cuda" and not _INTERPRETED:
         raise RuntimeError(
             f"flashpatch kernels need CUDA tensors, got a tensor on {t.device}. To run on the CPU through the "
@@ -383,7 +383,7 @@ def attn_fwd_impl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out shaped like q, lse float32: (B, H, Sq) dense or (H, total_q) varlen). alibi_slopes: None, or
     float32 (nheads,) or (batch, nheads)."""
-    _check_runnable(q)
+    check_runnable(q)
     varlen = cu_seqlens_q is not None
     nheads, headdim = q.shape[-2], q.shape[-1]
     nheads_k = k.shape[-2]
@@ -545,7 +545,7 @@ def attn_bwd_impl(
     alibi_slopes: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dq, dk, dv) shaped like q, k, v, each in its input's memory order where that is dense (`_grad_like`)."""
-    _check_runnable(q)
+    check_runnable(q)
     # Incoming gradients can be broadcast views (stride 0, e.g. from a sum); the kernels need unit stride in
     # the last dimension. User inputs are validated instead, never copied.
     if dout.stride(-1) != 1:
@@ -713,7 +713,7 @@ def dropout_pattern(
 ) -> torch.Tensor:
     """(batch, nheads, max_seqlen_q, max_seqlen_k) float: +1 where the attention kernels keep a weight, -1 where
     they drop it, for the call that used `seed_offset`."""
-    _check_runnable(seed_offset)
+    check_runnable(seed_offset)
     out = torch.empty(batch, nheads, max_seqlen_q, max_seqlen_k, dtype=torch.float32, device=seed_offset.device)
     if out.numel():
         block = 32

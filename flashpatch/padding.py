@@ -12,9 +12,6 @@ import torch.nn.functional as F
 from flashpatch.kernels.launch import cdiv, launch, next_power_of_2, on_input_device
 from flashpatch.kernels.triton.rows import gather_rows_kernel, scatter_rows_kernel
 
-_INTERPRETED = type(gather_rows_kernel).__name__ == "InterpretedFunction"
-
-
 def _check_mask(attention_mask: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
     if attention_mask.dim() != 2:
         raise ValueError(f"attention_mask must be 2-D (batch, seqlen), got shape {tuple(attention_mask.shape)}")
@@ -89,9 +86,9 @@ def pad_input(
 
 
 class RowIndex:
-    """The real tokens of a (B, S) padding mask as (batch index, position) pairs: `gather_rows` and `scatter_rows`
-    move rows of (B, S, ...) tensors of any strides with them, where flattening (B, S) would first copy a view such
-    as (B, S, H, D) of (B, H, S, D) memory."""
+    """The real tokens of a (B, S) padding mask as (batch index, position) pairs: `gather` and `scatter` move rows of
+    (B, S, H, D) tensors of any strides with them, where flattening (B, S) would first copy a view such as
+    (B, S, H, D) of (B, H, S, D) memory."""
 
     def __init__(self, indices: torch.Tensor, seqlen: int):  # indices: (T,) int64 flat positions in B * S
         self.indices = indices
@@ -99,6 +96,10 @@ class RowIndex:
         self.batch_index = torch.div(indices, seqlen, rounding_mode="floor")  # (T,)
         self.position = indices - self.batch_index * seqlen  # (T,)
         self._row_of: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.indices.device
 
     def row_of(self, batch: int) -> torch.Tensor:
         """(batch * S,) int32: each padded position's row among the T real tokens, -1 at padding (made once)."""
@@ -119,101 +120,52 @@ def covers_its_span(shape, stride) -> bool:
     return True
 
 
-def _kernels_run(t: torch.Tensor) -> bool:
-    """Whether Triton kernels run on t's device: CUDA, or any under the Triton interpreter."""
-    return t.is_cuda or _INTERPRETED
-
-
-def _by_kernel(t: torch.Tensor) -> bool:
-    """Whether the row-move kernels (kernels/triton/rows.py) take t: (B, S, H, D), where the kernels run."""
-    return t.dim() == 4 and _kernels_run(t)
-
-
-def _launch_rows(kernel, rows: int, *args, nheads: int, headdim: int) -> None:
-    """A row-move launch over `rows` rows, (head, column) blocks of about 4096 elements a program."""
+def _launch_rows(kernel, programs: int, pairs: list[tuple[torch.Tensor, torch.Tensor]], padded: int,
+                 *index_args) -> None:
+    """One row-move launch over `programs` positions for up to three (source, destination) pairs of one head dim,
+    the padded tensor of each pair at position `padded` (0 or 1) and the packed one contiguous; (head, column) blocks
+    of about 4096 elements a program."""
+    headdim = pairs[0][0].shape[-1]
     block_d = next_power_of_2(headdim)
-    block_h = min(next_power_of_2(nheads), max(1, 4096 // block_d))
-    launch(kernel, (rows, cdiv(nheads, block_h)), *args, nheads, headdim, BLOCK_H=block_h, BLOCK_D=block_d)
+    block_h = min(next_power_of_2(max(src.shape[-2] for src, _ in pairs)), max(1, 4096 // block_d))
+    args, layouts = [], []
+    for pair in pairs + [pairs[0]] * (3 - len(pairs)):  # unused slots repeat the first pair: never read
+        args += pair
+        layouts += [*pair[padded].stride(), pair[padded].shape[-2]]
+    grid = (programs, cdiv(max(src.shape[-2] for src, _ in pairs), block_h), len(pairs))
+    launch(kernel, grid, *args, *index_args, *layouts, headdim, BLOCK_H=block_h, BLOCK_D=block_d)
 
 
 @on_input_device
-def _gather(t: torch.Tensor, index: RowIndex) -> torch.Tensor:
-    """(B, S, H, D) -> its rows at index, (T, H, D) contiguous."""
-    rows = torch.empty(index.indices.numel(), *t.shape[2:], dtype=t.dtype, device=t.device)
-    if rows.numel():
-        _launch_rows(gather_rows_kernel, rows.shape[0], t, rows, index.batch_index, index.position, *t.stride(),
-                     nheads=t.shape[2], headdim=t.shape[3])
+def gather(index: RowIndex, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Up to three (B, S, H, D) tensors of one head dim and any strides -> their rows at `index`, (T, H, D)
+    contiguous each, in one launch."""
+    rows = tuple(torch.empty(index.indices.numel(), *t.shape[2:], dtype=t.dtype, device=t.device) for t in tensors)
+    if rows[0].numel():
+        _launch_rows(gather_rows_kernel, rows[0].shape[0], list(zip(tensors, rows)), 0, index.batch_index,
+                     index.position)
     return rows
 
 
 @on_input_device
-def _scatter_into(full: torch.Tensor, rows: torch.Tensor, index: RowIndex) -> torch.Tensor:
-    """Writes all of `full` (B, S, H, D): rows (T, H, D) at index, zeros elsewhere."""
-    if full.numel():
-        batch, seqlen = full.shape[:2]
-        _launch_rows(scatter_rows_kernel, batch * seqlen, rows.contiguous(), full, index.row_of(batch), seqlen,
-                     *full.stride(), nheads=full.shape[2], headdim=full.shape[3])
-    return full
+def scatter(index: RowIndex, rows: tuple[torch.Tensor, ...], fulls: tuple[torch.Tensor, ...]) -> None:
+    """Writes all of each (B, S, H, D) tensor in `fulls` (up to three, one head dim, any strides that cover their
+    memory once): its rows (T, H, D) at index, zeros elsewhere, in one launch."""
+    if fulls[0].numel():
+        batch, seqlen = fulls[0].shape[:2]
+        _launch_rows(scatter_rows_kernel, batch * seqlen, [(r.contiguous(), f) for r, f in zip(rows, fulls)], 1,
+                     index.row_of(batch), seqlen)
 
 
-class _GatherRows(torch.autograd.Function):
-    """(B, S, ...) tensors -> their rows at `index`, (T, ...) each. Backward: each gradient scattered into zeros laid
-    out like its input where that layout covers its memory once (no sort: the rows are distinct, so nothing
-    accumulates)."""
-
-    @staticmethod
-    def forward(ctx, index: RowIndex, *tensors):
-        ctx.index = index
-        ctx.inputs = [(t.shape, t.stride(), t.dtype, t.device) for t in tensors]
-        return tuple(_gather(t, index) if _by_kernel(t) else t[index.batch_index, index.position] for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        index = ctx.index
-        out = [None]
-        for grad, (shape, stride, dtype, device), needed in zip(grads, ctx.inputs, ctx.needs_input_grad[1:]):
-            if grad is None or not needed:
-                out.append(None)
-                continue
-            if covers_its_span(shape, stride):  # the gradient in the input's memory order
-                full = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-            else:  # gaps or overlaps (an expanded view): one value per element needs a layout of its own
-                full = torch.empty(shape, dtype=dtype, device=device)
-            if _by_kernel(full):
-                _scatter_into(full, grad, index)
-            else:
-                full.zero_().index_put_((index.batch_index, index.position), grad)
-            out.append(full)
-        return tuple(out)
-
-
-def gather_rows(index: RowIndex, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Each (B, S, ...) tensor's rows at `index`: (T, ...) with a unit last stride; differentiable."""
-    return _GatherRows.apply(index, *tensors)
-
-
-class _ScatterRows(torch.autograd.Function):
-    """(T, H, D) rows -> (B, S, H, D) with zeros where `index` has no row. Backward: the gradient's rows."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, index: RowIndex, batch: int, seqlen: int):
-        ctx.index = index
-        full = torch.empty(batch, seqlen, *rows.shape[1:], dtype=rows.dtype, device=rows.device)
-        return _scatter_into(full, rows, index)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.index), None, None, None
-
-
-def scatter_rows(rows: torch.Tensor, index: RowIndex, batch: int, seqlen: int) -> torch.Tensor:
-    """(T, ...) rows -> (batch, seqlen, ...) with zeros where `index` has no row; differentiable (its backward
-    gathers)."""
-    if rows.dim() == 3 and _kernels_run(rows):
-        return _ScatterRows.apply(rows, index, batch, seqlen)
-    out = rows.new_zeros(batch, seqlen, *rows.shape[1:])
-    out[index.batch_index, index.position] = rows
-    return out
+def grad_like_input(shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:
+    """Uninitialized memory for the gradient of a (B, S, H, D) input of this layout: in the input's own memory order
+    where that covers its memory once (a (B, S, H, D) view of (B, H, S, D) memory, as transformers hands over q, k and
+    v, so that the transpose's backward copies nothing), contiguous where it has gaps or overlaps (an expanded view,
+    whose backward then sums)."""
+    if covers_its_span(shape, stride):
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -1212,7 +1212,7 @@ def test_padded_layer_matches_float64_on_either_path(lengths, dense, headdim, mo
     from flashpatch.integrations import transformers as fp_hf
 
     paths = []
-    for name in ("flash_attn_func", "flash_attn_varlen_func"):
+    for name in ("flash_attn_func", "padded_attn_func"):
         original = getattr(fp_hf._kernels, name)
         monkeypatch.setattr(fp_hf._kernels, name,
                             lambda *a, _f=original, _n=name, **kw: paths.append(_n) or _f(*a, **kw))
@@ -1226,7 +1226,7 @@ def test_padded_layer_matches_float64_on_either_path(lengths, dense, headdim, mo
     layer.is_causal, layer.num_key_value_groups = True, 2
     out, _ = fp_hf.fpatch_attention_forward(layer, q, k, v, keep.long(), scaling=headdim ** -0.5, is_causal=True)
     grads = torch.autograd.grad(out, (q, k, v), dout)  # (B, H, S, D) each
-    assert paths == ["flash_attn_func" if dense else "flash_attn_varlen_func"]
+    assert paths == ["flash_attn_func" if dense else "padded_attn_func"]
     for g in grads:
         assert (g.transpose(1, 2)[~keep] == 0).all()
     real = lambda t: t.transpose(1, 2)[keep]  # noqa: E731  (B, H, S, D) -> the real tokens' (T, H, D)

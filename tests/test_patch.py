@@ -111,9 +111,9 @@ def test_right_padded_batch_runs_dense_and_matches_eager(name, monkeypatch):
     exact = forward_backward(exact_model, batch)
 
     varlen = []
-    real_varlen = fp_hf._kernels.flash_attn_varlen_func
-    monkeypatch.setattr(fp_hf._kernels, "flash_attn_varlen_func", lambda *a, **kw: varlen.append(1) or
-                        real_varlen(*a, **kw))
+    real_padded = fp_hf._kernels.padded_attn_func
+    monkeypatch.setattr(fp_hf._kernels, "padded_attn_func", lambda *a, **kw: varlen.append(1) or
+                        real_padded(*a, **kw))
     flashpatch.patch_model(model)
     calls = fp_hf.CALLS[0]
     got = forward_backward(model, batch)

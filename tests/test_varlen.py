@@ -133,61 +133,109 @@ def test_unpad_pad_round_trip_left_padding():
 
 
 
-def test_row_gather_and_scatter_match_flat_indexing_in_the_inputs_memory_order(device):
-    """The padded path's row moves (padding.gather_rows / scatter_rows) against indexing a flattened copy: same
-    values, same gradients, and each gradient laid out like its input (a (B, S, H, D) view of (B, H, S, D) memory, as
-    transformers hands over q, k and v), with zeros at padding. Queries fewer than keys (a KV cache) index their own
-    rows."""
-    from flashpatch.padding import RowIndex, gather_rows, padding_layout, scatter_rows
+def _count_launches(monkeypatch):
+    from flashpatch import padding
 
+    launches = []
+    real = padding.launch
+    monkeypatch.setattr(padding, "launch", lambda kernel, grid, *a, **kw: launches.append(grid) or
+                        real(kernel, grid, *a, **kw))
+    return launches
+
+
+def test_row_gather_and_scatter_move_three_tensors_in_one_launch(device, monkeypatch):
+    """The padded path's row moves (padding.gather / scatter) against indexing a flattened copy: q, k and v of
+    different head counts, as (B, S, H, D) views of (B, H, S, D) memory (as transformers hands them over), gathered
+    in one launch; rows scattered back in one launch, zeros at padding, into memory that held NaN; an expanded input
+    (stride 0 over its heads) read as it is. Queries fewer than keys (a KV cache) index their own rows."""
+    from flashpatch.padding import RowIndex, gather, padding_layout, scatter
+
+    launches = _count_launches(monkeypatch)
     torch.manual_seed(3)
-    batch, seqlen, nheads, headdim = 3, 9, 2, 4
+    batch, seqlen, nheads, headdim = 3, 9, 3, 5  # a head dim below its block
     mask = torch.ones(batch, seqlen, dtype=torch.bool, device=device)
     mask[0, 6:] = False  # right padding
     mask[2, :4] = False  # left padding
-    for q_len in (seqlen, 5):
-        keys, _, _ = padding_layout(mask)
-        queries, _, _ = padding_layout(mask[:, -q_len:])
-        memory = [torch.randn(batch, h, s, headdim, dtype=torch.float64, device=device, requires_grad=True)
-                  for h, s in ((nheads, q_len), (1, seqlen), (1, seqlen))]  # (B, H, S, D)
-        q, k, v = (t.transpose(1, 2) for t in memory)  # (B, S, H, D) views
-        (q_rows,) = gather_rows(RowIndex(queries, q_len), q)
-        k_rows, v_rows = gather_rows(RowIndex(keys, seqlen), k, v)
-        expected = [t.reshape(-1, *t.shape[2:])[i] for t, i in ((q, queries), (k, keys), (v, keys))]
-        weights = [torch.randn_like(t) for t in expected]
-        grads = torch.autograd.grad([(a * w).sum() for a, w in zip((q_rows, k_rows, v_rows), weights)], memory)
-        grads_expected = torch.autograd.grad([(a * w).sum() for a, w in zip(expected, weights)], memory)
-        for got, want in zip((q_rows, k_rows, v_rows), expected):
-            assert got.stride(-1) == 1 and torch.equal(got, want)
-        for got, want, t in zip(grads, grads_expected, memory):
-            assert got.stride() == t.stride() and torch.equal(got, want)
-        out = scatter_rows(q_rows, RowIndex(queries, q_len), batch, q_len)  # (B, Sq, H, D)
-        assert torch.equal(out, flashpatch.pad_input(q_rows, queries, batch, q_len))
-        assert not out[~mask[:, -q_len:]].any()
-        (grad,) = torch.autograd.grad((out * 2).sum(), q_rows)
-        assert torch.equal(grad, torch.full_like(grad, 2.0))
-    # an expanded input (stride 0 over its heads) gets a gradient of its own layout, summed over the shared heads
-    base = torch.randn(batch, seqlen, 1, headdim, dtype=torch.float64, device=device, requires_grad=True)
-    (rows,) = gather_rows(RowIndex(keys, seqlen), base.expand(batch, seqlen, 3, headdim))
-    weight = torch.randn_like(rows)
-    (grad,) = torch.autograd.grad((rows * weight).sum(), base)
-    want = torch.zeros(batch * seqlen, headdim, dtype=torch.float64, device=device).index_add_(0, keys, weight.sum(1))
-    assert torch.equal(grad, want.view(batch, seqlen, 1, headdim))
+    keys, _, _ = padding_layout(mask)
+    memory = [torch.randn(batch, h, seqlen, headdim, device=device) for h in (nheads, 1, 1)]  # (B, H, S, D)
+    q, k, v = (t.transpose(1, 2) for t in memory)  # (B, S, H, D) views
+    v = v.expand(batch, seqlen, 2, headdim)  # stride 0 over its heads
+    index = RowIndex(keys, seqlen)
+    rows = gather(index, q, k, v)
+    assert len(launches) == 1
+    for got, t in zip(rows, (q, k, v)):
+        assert got.is_contiguous() and torch.equal(got, t.reshape(-1, *t.shape[2:])[keys])
+    fulls = tuple(torch.full((batch, h, seqlen, headdim), float("nan"), device=device).transpose(1, 2)
+                  for h in (nheads, 1, 2))
+    scatter(index, rows, fulls)
+    assert len(launches) == 2
+    for full, t in zip(fulls, (q, k, v)):
+        assert torch.equal(full, t * mask[:, :, None, None])
+    q_len = 5
+    queries, _, _ = padding_layout(mask[:, -q_len:])
+    (q_rows,) = gather(RowIndex(queries, q_len), q[:, -q_len:])
+    assert torch.equal(q_rows, q[:, -q_len:].reshape(-1, nheads, headdim)[queries])
 
-def test_row_scatter_writes_every_position_of_its_output(device):
-    """The scatter kernel (kernels/triton/rows.py) writes the whole padded tensor, zeros at padding, so the memory it
-    is given may hold anything: here NaN, in a (B, S, H, D) view of (B, H, S, D) memory."""
-    from flashpatch.padding import RowIndex, _scatter_into, padding_layout
 
-    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1], [0, 0, 0, 0, 0]], dtype=torch.bool, device=device)
+def test_row_scatter_of_an_empty_batch_writes_zeros(device):
+    """A batch whose rows hold no real token: nothing to gather, and the scatter still writes every position."""
+    from flashpatch.padding import RowIndex, gather, padding_layout, scatter
+
+    mask = torch.zeros(2, 4, dtype=torch.bool, device=device)
     indices, _, _ = padding_layout(mask)
-    index = RowIndex(indices, 5)
-    rows = torch.randn(indices.numel(), 3, 5, device=device)  # (T, H, D): a head dim below its block
-    full = torch.full((3, 3, 5, 5), float("nan"), device=device).transpose(1, 2)  # (B, S, H, D)
-    _scatter_into(full, rows, index)
-    want = torch.zeros(3, 5, 3, 5, device=device)
-    want[mask] = rows
-    assert torch.equal(full, want)
+    index = RowIndex(indices, 4)
+    (rows,) = gather(index, torch.randn(2, 4, 3, 8, device=device))
+    assert rows.shape == (0, 3, 8)
+    full = torch.full((2, 4, 3, 8), float("nan"), device=device)
+    scatter(index, (rows,), (full,))
+    assert torch.equal(full, torch.zeros_like(full))
+
+
+@pytest.mark.parametrize("q_len", [9, 4], ids=["self", "fewer_queries"])
+def test_padded_attention_matches_float64_in_one_node(device, q_len, monkeypatch):
+    """interface.padded_attn_func (the transformers integration's padded path) against the float64 reference per
+    sequence: left and right padding and a row with no real token, GQA 4/2, causal. One autograd node whose
+    backward hands each input a gradient in its own memory order with zeros at padding, and launches two row moves
+    a forward and two a backward where queries and keys share their rows (three each with fewer queries); an input
+    that needs no gradient gets none."""
+    from flashpatch.autograd import PaddedAttnFunction
+    from flashpatch.interface import padded_attn_func
+    from flashpatch.padding import RowIndex, padding_layout
+
+    torch.manual_seed(0)
+    batch, seqlen, nheads, nheads_k, headdim = 4, 9, 4, 2, 16
+    lengths = torch.tensor([9, 6, 0, 5])
+    mask = torch.arange(seqlen)[None, :] < lengths[:, None]
+    mask[3] = mask[3].flip(0)  # left padding
+    mask = mask.to(device)
+    memory = [torch.randn(batch, h, s, headdim, device=device, requires_grad=True)
+              for h, s in ((nheads, q_len), (nheads_k, seqlen), (nheads_k, seqlen))]  # (B, H, S, D)
+    q, k, v = (t.transpose(1, 2) for t in memory)  # (B, S, H, D)
+    keys, cu_k, max_k = padding_layout(mask)
+    rows_k = RowIndex(keys, seqlen)
+    if q_len == seqlen:
+        rows_q, cu_q, max_q = rows_k, cu_k, max_k
+    else:
+        queries, cu_q, max_q = padding_layout(mask[:, -q_len:])
+        rows_q = RowIndex(queries, q_len)
+    launches = _count_launches(monkeypatch)
+    out = padded_attn_func(q, k, v, rows_q, rows_k, cu_q, cu_k, max_q, max_k, causal=True)  # (B, Sq, H, D)
+    assert type(out.grad_fn).__name__ == PaddedAttnFunction.__name__ + "Backward"
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, memory, dout)
+    assert len(launches) == (4 if q_len == seqlen else 6)
+    real_q, real_k = mask[:, -q_len:], mask
+    assert (out[~real_q] == 0).all()
+    for g, t, real in zip(grads, memory, (real_q, real_k, real_k)):
+        assert g.stride() == t.stride() and (g.transpose(1, 2)[~real] == 0).all()
+    flat = lambda t, real: t.transpose(1, 2)[real]  # noqa: E731  (B, H, S, D) -> the real tokens' (T, H, D)
+    check_against_reference(out[real_q], [flat(grads[0], real_q), flat(grads[1], real_k), flat(grads[2], real_k)],
+                            flat(memory[0], real_q), flat(memory[1], real_k), flat(memory[2], real_k), dout[real_q],
+                            reference=varlen_attention_reference, ref_args=(cu_q, cu_k), causal=True)
+    frozen = memory[1].detach().transpose(1, 2)
+    out = padded_attn_func(q, frozen, v, rows_q, rows_k, cu_q, cu_k, max_q, max_k, causal=True)
+    dq, dv = torch.autograd.grad(out, (memory[0], memory[2]), dout)
+    torch.testing.assert_close(dq, grads[0]) and torch.testing.assert_close(dv, grads[2])
 
 
 BAD_CU = [

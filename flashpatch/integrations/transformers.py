@@ -25,7 +25,7 @@ from flashpatch import interface as _kernels
 from flashpatch.integrations.hf_fallback import masked_attention
 from flashpatch.integrations.hf_masks import fpatch_mask
 from flashpatch.memo import once_per_tensor
-from flashpatch.padding import RowIndex, gather_rows, max_seqlen_from_cu_seqlens, padding_layout, scatter_rows
+from flashpatch.padding import RowIndex, max_seqlen_from_cu_seqlens, padding_layout
 
 ATTN_IMPLEMENTATION = "fpatch"
 
@@ -192,19 +192,14 @@ def _run_padded(q, k, v, mask: torch.Tensor, flash_kwargs: dict) -> torch.Tensor
     there where `_dense_over_padding` runs the batch as it is).
 
     With fewer queries than keys (KV cache) the queries are the last q_len positions, as with left padding."""
-    batch, q_len = q.shape[:2]
+    q_len = q.shape[1]
     if k.shape[1] > mask.shape[1]:  # static cache: slots past the mask were never written
         k, v = k[:, : mask.shape[1]], v[:, : mask.shape[1]]
     if _dense_over_padding(mask, q_len, k.shape[1], flash_kwargs["causal"], q.shape[-1]):
         return _kernels.flash_attn_func(q, k, v, **flash_kwargs)
     layouts = once_per_tensor(mask, ("padding", k.shape[1], q_len), lambda: _padding_layouts(mask, k.shape[1], q_len))
     (rows_k, cu_k, max_k), (rows_q, cu_q, max_q) = layouts
-    if rows_q is rows_k:
-        q, k, v = gather_rows(rows_q, q, k, v)  # (T, H, D), (T, Hk, D) x 2: one autograd node, no copies
-    else:
-        (q,), (k, v) = gather_rows(rows_q, q), gather_rows(rows_k, k, v)
-    out = _kernels.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **flash_kwargs)  # (Tq, H, D)
-    return scatter_rows(out, rows_q, batch, q_len)
+    return _kernels.padded_attn_func(q, k, v, rows_q, rows_k, cu_q, cu_k, max_q, max_k, **flash_kwargs)
 
 
 @torch.compiler.disable

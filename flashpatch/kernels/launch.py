@@ -327,14 +327,15 @@ def launch(kernel, grid: tuple, *args, cached_launch: bool = True, on_stream: Op
 
 
 def on_input_device(fn):
-    """fn run with the current CUDA device set to its first argument's, as flash-attn's CUDAGuard does: Triton
-    launches on the current device (and allocates TMA descriptor scratch there), so without it a model spread over
-    GPUs in one process (transformers' device_map) would launch its later layers on the wrong GPU."""
+    """fn run with the current CUDA device set to its first argument's (a tensor, or anything with a `device`), as
+    flash-attn's CUDAGuard does: Triton launches on the current device (and allocates TMA descriptor scratch there),
+    so without it a model spread over GPUs in one process (transformers' device_map) would launch its later layers
+    on the wrong GPU."""
     @functools.wraps(fn)
     def on_device(*args, **kwargs):
-        t = args[0]
-        if t.is_cuda and t.device.index != torch.cuda.current_device():
-            with torch.cuda.device(t.device):
+        device = args[0].device
+        if device.type == "cuda" and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
                 return fn(*args, **kwargs)
         return fn(*args, **kwargs)
     return on_device
