@@ -130,7 +130,7 @@ GLUON_CASES = [
     (2, 384, 128, 4, 1, 128, True, "bshd"),  # Sq > Sk: the first 256 queries see no key
     (2, 512, 512, 4, 4, 128, False, "bhsd"),  # (B, H, S, D) in memory, as transformers' projections give
     (1, 1024, 2048, 2, 1, 64, False, "bshd"),  # head dim 64 (config.py: the forward only, without a mask)
-    (1, 2048, 2048, 4, 2, 64, True, "bshd"),  # head dim 64 causal (config.py: dK/dV past 1024 queries)
+    (1, 2048, 2048, 4, 2, 64, True, "bshd"),  # head dim 64 causal: the persistent forward (config.persistent_grid)
     # causal grids in head groups (config.head_group): 3 heads in a group of 8, and 10 in groups of 4
     (1, 2048, 2048, 3, 3, 128, True, "bshd"),
     (2, 4096, 4096, 5, 5, 128, True, "bshd"),
@@ -145,6 +145,9 @@ GLUON_CASES = [
     (2, 1000, 1000, 6, 2, 64, True, "bshd"),
     (1, 777, 1234, 4, 2, 64, False, "bshd"),  # K and V in registers (head dim 64) with keys past seqlen_k
     (1, 8191, 8191, 2, 1, 128, True, "bshd"),
+    # head dim 64 causal, the persistent forward's two consumers: rows that see no key, Sq < Sk, (B, H, S, D) memory
+    (2, 113, 17, 4, 1, 64, True, "bshd"),
+    (1, 640, 1152, 4, 2, 64, True, "bhsd"),
 ]
 
 
@@ -184,13 +187,14 @@ def test_gluon_kernels_alibi_match_float64(case, dtype, monkeypatch):
 @needs_gluon
 @pytest.mark.parametrize("persistent,scheduled", [(True, True), (True, False), (False, True)],
                          ids=["persistent", "persistent_closed_form", "per_block"])
-@pytest.mark.parametrize("case", [GLUON_CASES[i] for i in (0, 2, 4, 7, 8, 9)], ids=_gluon_id)
+@pytest.mark.parametrize("case", [GLUON_CASES[i] for i in (0, 2, 4, 7, 8, 9, 13)], ids=_gluon_id)
 def test_gluon_grid_forms_match_float64_bf16(case, persistent, scheduled, monkeypatch):
     # Both grid forms of the Gluon forward and dQ, whichever config.persistent_grid picks for the shape: one program
     # per SM taking query blocks in turn (two query buffers, a K/V ring that runs on across blocks), or one program
-    # per query block. GQA causal, rows that see no key, d64 unmasked, and 320 blocks (more than an H100's 132 SMs:
-    # three rounds, the last one partial); a persistent causal forward takes its blocks from schedule.causal_schedule's
-    # table (in head groups of 4 in the 320-block case, the last group of 2) or from the closed form
+    # per query block. GQA causal, rows that see no key, d64 unmasked and causal, and 320 blocks (more than an H100's
+    # 132 SMs: three rounds, the last one partial); a persistent causal forward takes its blocks from
+    # schedule.causal_schedule's table (in head groups of 4 in the 320-block case, the last group of 2) or from the
+    # closed form
     _check_gluon_case(case, torch.bfloat16, monkeypatch, persistent_fwd=persistent, causal_schedule=scheduled,
                       persistent_dq=persistent)
 
@@ -973,7 +977,7 @@ GLUON_SOFTCAP_CASES = [
     (2, 1000, 1000, 8, 2, 128, True, {}),  # the persistent forward; lengths that divide no tile
     (1, 640, 1152, 4, 2, 128, False, {}),  # Sq < Sk, unmasked
     (2, 384, 128, 4, 1, 128, True, {}),  # Sq > Sk: the first 256 queries see no key
-    (2, 1023, 1023, 6, 2, 64, True, {}),  # head dim 64: three forward consumers, K and V in registers in dK/dV
+    (2, 1023, 1023, 6, 2, 64, True, {}),  # head dim 64: the persistent forward, K and V in registers in dK/dV
     (1, 17, 113, 2, 1, 64, False, {}),
     (1, 2048, 2048, 4, 2, 128, True, dict(window_size=(300, 0))),  # a sliding window: one program per block
     (2, 513, 513, 4, 4, 128, True, dict(alibi=True)),  # ALiBi after the cap, as the reference adds it

@@ -396,15 +396,17 @@ def test_gluon_kernels_chosen_where_they_measured_faster():
         assert on.gluon_fwd and on.gluon_dkdv and on.gluon_dq
         off = kernel_config.configs_for(128, False, masked=masked)
         assert not (off.gluon_fwd or off.gluon_dkdv or off.gluon_dq)
-    # head dim 64: the forward past SHORT, dK/dV on every row (dense or varlen, short or not, with or without GQA);
-    # never the dQ pass on dense rows
-    for masked, short, expected in ((False, False, (True, True)), (False, True, (False, True)),
-                                    (True, False, (True, True)), (True, True, (False, True))):
+    # head dim 64: the forward past SHORT, and on short dense causal rows (its persistent form) but under a window;
+    # dK/dV on every row (dense or varlen, short or not, with or without GQA); never the dQ pass on dense rows
+    for masked, short, dense_fwd, packed_fwd in ((False, False, True, True), (False, True, False, False),
+                                                 (True, False, True, True), (True, True, True, False)):
         for grouped in (False, True):
             cfg = kernel_config.configs_for(64, True, masked=masked, aligned=True, short=short, grouped=grouped)
-            assert (cfg.gluon_fwd, cfg.gluon_dkdv) == expected and not cfg.gluon_dq, (masked, short, grouped)
+            assert cfg.gluon_fwd == dense_fwd and cfg.gluon_dkdv and not cfg.gluon_dq, (masked, short, grouped)
             packed = kernel_config.configs_for(64, True, masked=masked, short=short, grouped=grouped, varlen=True)
-            assert (packed.gluon_fwd, packed.gluon_dkdv) == expected and packed.gluon_dq, (masked, short, grouped)
+            assert packed.gluon_fwd == packed_fwd and packed.gluon_dkdv and packed.gluon_dq, (masked, short, grouped)
+            window = kernel_config.configs_for(64, True, masked=True, short=short, grouped=grouped, windowed=True)
+            assert window.gluon_fwd == (not short), (short, grouped)
     # with dropout the Gluon dK/dV and dQ everywhere, and the forward past SHORT or under a causal mask
     for masked in (False, True):
         cfg = kernel_config.configs_for(64, True, masked=masked, dropout=True, aligned=True)
@@ -547,9 +549,12 @@ def test_gluon_dkdv_register_split_is_one_setmaxnreg_can_take(headdim, dropout):
 
 
 def test_persistent_grid_rule():
-    # the d128 Gluon forward runs as a persistent grid, the d64 one per block; dQ persistent only on rows of at
-    # most 8 query blocks, where the per-block grid has no head groups to lose (config.persistent_grid's figures)
+    # the d128 Gluon forward runs as a persistent grid; the d64 one on causal rows of at most 32 query blocks (4096
+    # queries), else per block; dQ persistent only on rows of at most 8 query blocks, where the per-block grid has no
+    # head groups to lose (config.persistent_grid's figures)
     assert all(kernel_config.persistent_grid("fwd", n, 128) for n in (1, 8, 9, 128))
+    assert [kernel_config.persistent_grid("fwd", n, 64, causal=True) for n in (1, 8, 32, 33, 64)] == [
+        True, True, True, False, False]
     assert not any(kernel_config.persistent_grid("fwd", n, 64) for n in (1, 8, 9, 128))
     assert [kernel_config.persistent_grid("dq", n, 128) for n in (1, 8, 9, 64)] == [True, True, False, False]
     assert not kernel_config.persistent_grid("dq", 8, 128, beside_dkdv=True)  # dQ's programs fill dK/dV's tail

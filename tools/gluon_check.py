@@ -63,6 +63,11 @@ SHAPES = {
     "d64c1k": (16, 1024, 1024, 32, 8, 64, True),  # short GQA rows
     "d64f1k": (16, 1024, 1024, 32, 8, 64, False),  # the same without the causal mask
     "d64c2k": (8, 2048, 2048, 12, 4, 64, True),  # configs/llama_125m.yaml's attention
+    "d64c1kg": (16, 1024, 1024, 12, 4, 64, True),  # the same heads on shorter rows
+    "d64c512": (32, 512, 512, 12, 4, 64, True),
+    "c512": (32, 512, 512, 16, 16, 128, True),  # short causal rows at 16k tokens
+    "c1k": (16, 1024, 1024, 16, 16, 128, True),
+    "c2k": (8, 2048, 2048, 16, 16, 128, True),
     "d64c2kmha": (8, 2048, 2048, 12, 12, 64, True),  # the same without GQA
     "d64g4k": (4, 4096, 4096, 32, 8, 64, True),  # GQA 32/8 at n4096
     "dropc2k": (8, 2048, 2048, 16, 16, 128, True, 0.1),  # dropout (the Triton kernels under "triton")

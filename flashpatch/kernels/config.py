@@ -131,11 +131,13 @@ def measured_configs(headdim: int, is_cuda: bool, masked: bool = False, dropout:
                                 tma=masked and not (dropout and block_d < 64)),
             atomic_dq=False,
             # The Gluon forward (three consumer warpgroups, sm90.fwd.CONSUMERS_BY_HEADDIM; with dropout two beside
-            # their drawer warps) wins with or without the mask but on short rows, where only its dropout form under
-            # a causal mask still wins (GPU us, 8 x 1024 GQA 12/4: 95 -> 82). The Gluon dQ loses on dense rows
-            # at head dim 64 but with dropout, and on varlen batches runs with the Gluon dK/dV, which reads the LSE
-            # it pads (varlen mix: 282 TFLOP/s fwd+bwd against 254).
-            gluon_fwd=not short or (masked and dropout),
+            # their drawer warps; on dense causal rows of up to 4096 a persistent grid of two, config.persistent_grid)
+            # wins with or without the mask but on short rows, where its persistent form on dense causal rows and
+            # its dropout form under a causal mask still win (GPU ms, 16 x 1024 GQA 32/8: 0.262 -> 0.241, 12/4:
+            # 0.101 -> 0.098; 8 x 1024 GQA 12/4 with dropout: 0.095 -> 0.082). The Gluon dQ loses on dense rows at
+            # head dim 64 but with dropout, and on varlen batches runs with the Gluon dK/dV, which reads the LSE it
+            # pads (varlen mix: 282 TFLOP/s fwd+bwd against 254).
+            gluon_fwd=not short or (masked and (dropout or not (varlen or windowed))),
             gluon_dq=varlen or dropout,
             # The dK/dV adds dQ itself (reading K from shared memory, sm90.dkdv.register_kv): without dropout
             # wherever the Gluon dK/dV runs (bwd TFLOP/s, causal n2048 297 -> 336, full n2048 373 -> 388, the varlen
@@ -232,18 +234,21 @@ def causal_head_group(num_blocks: int, num_sms: int) -> int:
 
 
 def persistent_grid(kernel: str, num_blocks: int, headdim: int, beside_dkdv: bool = False,
-                    varlen: bool = False) -> bool:
+                    varlen: bool = False, causal: bool = False) -> bool:
     """Whether the Gluon `kernel` ("fwd" or "dq") runs as a persistent grid (one program per SM taking query blocks
-    in turn, sm90.common.persistent_tile) for rows of num_blocks query blocks, rather than one program per block
-    (docs/tuning.md, "sm_90 Gluon kernels"). The d128 forward on dense rows (sliding windows included) gains or ties
-    everywhere, since each block's Q load and first K/V blocks run under the previous block's steps; the d64 forward
-    loses a little. On a `varlen` batch (sm90.fwd.varlen_persistent: its blocks taken by tickets, num_blocks
-    unused) the forward gains at head dims 64 and 128 alike, its blocks being short. dQ gains on short rows
-    only: the closed-form deal cannot keep `head_group`'s head groups, whose L2 sharing dQ needs on longer ones. A
-    dQ that runs beside dK/dV (KernelConfigs.concurrent_dq) starts its programs as dK/dV's finish, where per-block
-    programs fill in and a persistent program's fixed share of the blocks would end late."""
+    in turn, sm90.common.persistent_tile) for rows of num_blocks query blocks (of 128), rather than one program per
+    block (docs/tuning.md, "sm_90 Gluon kernels"). The d128 forward on dense rows (sliding windows included) gains or
+    ties everywhere, since each block's Q load and first K/V blocks run under the previous block's steps. The d64
+    forward on dense `causal` rows (no window) gains with two consumer warpgroups over three up to rows of 4096
+    (num_blocks <= 32), and loses beyond. On a `varlen` batch (sm90.fwd.varlen_persistent: its blocks taken by
+    tickets, num_blocks unused) the forward gains at head dims 64 and 128 alike, its blocks being short. dQ gains on
+    short rows only: the closed-form deal cannot keep `head_group`'s head groups, whose L2 sharing dQ needs on
+    longer ones. A dQ that runs beside dK/dV (KernelConfigs.concurrent_dq) starts its programs as dK/dV's finish,
+    where per-block programs fill in and a persistent program's fixed share of the blocks would end late."""
     if kernel == "fwd":
-        return headdim in (64, 128) if varlen else headdim == 128
+        if varlen:
+            return headdim in (64, 128)
+        return headdim == 128 or (headdim == 64 and causal and num_blocks <= 32)
     if kernel == "dq":
         return num_blocks <= 8 and not beside_dkdv
     raise ValueError(f"persistent_grid: kernel must be 'fwd' or 'dq', got {kernel!r}")

@@ -18,7 +18,7 @@ sequence's end into the next head's or batch's rows (or zeros past the tensor), 
 its masked stores skip, and a last key block's keys past seqlen_k are masked like a causal diagonal (common.key_limit).
 
 A persistent grid (`_persistent_fwd`, where config.persistent_grid chooses it: head dim 128, dense rows, with or
-without a sliding window) launches one program per SM instead, each looping over query blocks (common.query_tile),
+without a sliding window; head dim 64, causal rows of up to 4096) launches one program per SM instead, each looping over query blocks (common.query_tile),
 so that a block's Q load and first K/V blocks run under the previous block's steps and epilogue, which narrow
 windows' short blocks gain most from. On a varlen batch (`_varlen_persistent_fwd`, head dims 64 and 128), whose
 blocks cost from one to dozens of key steps, a static deal ends unevenly: there each program's producer takes the
@@ -936,7 +936,7 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     if dropout or headdim == 256:  # two (128, 256) Q buffers would not fit beside the ring
         persistent = False
     elif options.persistent_fwd is None:
-        persistent = persistent_grid("fwd", cdiv(seqlen_q, BLOCK_M), headdim)
+        persistent = persistent_grid("fwd", cdiv(seqlen_q, BLOCK_M), headdim, causal=causal and not window)
     else:
         persistent = options.persistent_fwd
     consumers = 2 if persistent or dropout else CONSUMERS_BY_HEADDIM[headdim]  # the drawers serve two
