@@ -163,6 +163,8 @@ def padded_attn_func(
         their padding.
     """
     args = check_attention_args(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, varlen=False)
+    if rows_q.device != q.device or rows_k.device != q.device:
+        raise ValueError(f"the row indices must be on q's device {q.device}, got {rows_q.device} and {rows_k.device}")
     return PaddedAttnFunction.apply(q, k, v, rows_q, rows_k, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                     int(max_seqlen_k), args, deterministic)
 

@@ -238,6 +238,17 @@ def test_padded_attention_matches_float64_in_one_node(device, q_len, monkeypatch
     torch.testing.assert_close(dq, grads[0]) and torch.testing.assert_close(dv, grads[2])
 
 
+def test_padded_attention_refuses_row_indices_on_another_device():
+    from flashpatch.interface import padded_attn_func
+    from flashpatch.padding import RowIndex
+
+    q = torch.randn(2, 4, 2, 8)
+    on_meta = RowIndex(torch.arange(8, device="meta"), 4)
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"row indices must be on q's device cpu, got meta and meta"):
+        padded_attn_func(q, q, q, on_meta, on_meta, cu, cu, 4, 4)
+
+
 BAD_CU = [
     (lambda cu: cu.long(), TypeError, "int32"),
     (lambda cu: cu[None], ValueError, "1-D"),
