@@ -8,7 +8,7 @@ and v, those index kernels ran at a fraction of the memory bandwidth (docs/tunin
 reads each real token's (H, D) block once, and a scatter writes every padded position once: the token's row where
 it has one, zeros elsewhere, with no separate fill. One launch moves up to three tensors that share the rows (q, k
 and v, or their gradients): the grid's third axis picks the tensor, so a layer's unpadded attention pays two row
-launches a forward and two a backward rather than eight.
+launches a forward and two a backward rather than four each.
 """
 
 import triton
