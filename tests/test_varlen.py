@@ -238,6 +238,37 @@ def test_padded_attention_matches_float64_in_one_node(device, q_len, monkeypatch
     torch.testing.assert_close(dq, grads[0]) and torch.testing.assert_close(dv, grads[2])
 
 
+def test_padded_attention_dropout_is_the_varlen_calls(device):
+    """With dropout, the padded node draws its (seed, offset) as flash_attn_varlen_func does and its backward
+    regenerates the same keep bits: under one seed, outputs and gradients on the real tokens equal the varlen call's
+    on the gathered rows, and differ from a call without dropout."""
+    from flashpatch.interface import padded_attn_func
+    from flashpatch.padding import RowIndex, padding_layout
+
+    torch.manual_seed(1)
+    batch, seqlen, nheads, nheads_k, headdim = 3, 12, 2, 1, 16
+    mask = torch.arange(seqlen)[None, :] < torch.tensor([12, 7, 4])[:, None]
+    mask[2] = mask[2].flip(0)  # left padding
+    mask = mask.to(device)
+    memory = [torch.randn(batch, h, seqlen, headdim, device=device, requires_grad=True) for h in (nheads, 1, 1)]
+    q, k, v = (t.transpose(1, 2) for t in memory)  # (B, S, H, D) views
+    indices, cu, longest = padding_layout(mask)
+    rows = RowIndex(indices, seqlen)
+    dout = torch.randn(batch, seqlen, nheads, headdim, device=device)
+    torch.manual_seed(7)
+    out = padded_attn_func(q, k, v, rows, rows, cu, cu, longest, longest, dropout_p=0.3, causal=True)
+    grads = torch.autograd.grad(out, memory, dout)
+    flat = [t.detach().transpose(1, 2)[mask].requires_grad_() for t in memory]  # (T, H, D) each
+    torch.manual_seed(7)
+    want = flashpatch.flash_attn_varlen_func(*flat, cu, cu, longest, longest, dropout_p=0.3, causal=True)
+    want_grads = torch.autograd.grad(want, flat, dout[mask])
+    assert torch.equal(out[mask], want)
+    for got, expected in zip(grads, want_grads):
+        assert torch.equal(got.transpose(1, 2)[mask], expected)
+    plain = padded_attn_func(q, k, v, rows, rows, cu, cu, longest, longest, causal=True)
+    assert not torch.equal(plain[mask], out[mask])
+
+
 def test_padded_attention_refuses_row_indices_on_another_device():
     from flashpatch.interface import padded_attn_func
     from flashpatch.padding import RowIndex
