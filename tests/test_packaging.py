@@ -101,7 +101,7 @@ def test_test_extra_covers_what_the_tests_and_recipes_import():
     declared = _requirement_names(project["dependencies"]) | _requirement_names(
         project["optional-dependencies"]["recipes"]) | _requirement_names(project["optional-dependencies"]["test"])
     local = {"flashpatch", "tests", "conftest", "helpers", "_patch_models"}
-    local |= {p.stem for folder in ("recipes", "benchmarks") for p in (REPO / folder).glob("*.py")}
+    local |= {p.stem for folder in ("recipes", "benchmarks", "tools") for p in (REPO / folder).glob("*.py")}
     files = [*(REPO / "tests").glob("*.py"), *(REPO / "recipes").glob("*.py"), REPO / "benchmarks" / "bench_attention.py"]
     missing = {}
     for path in files:
