@@ -29,7 +29,7 @@ from flashpatch.kernels.triton.common import alibi_batch_stride
 from flashpatch.kernels.triton.dropout import dropout_mask_kernel
 from flashpatch.kernels.triton.forward import attn_fwd_kernel
 from flashpatch.memo import once_per_tensor
-from flashpatch.padding import covers_its_span
+from flashpatch.padding import grad_like_input
 
 if sm90.AVAILABLE:  # the Gluon kernels, which take the calls in their scope where sm90.enabled()
     from flashpatch.kernels.sm90 import dkdv as sm90_dkdv, dkdv256 as sm90_dkdv256, dq as sm90_dq, fwd as sm90_fwd
@@ -313,19 +313,14 @@ def _empty_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
-def _is_dense(t: torch.Tensor) -> bool:
-    """Whether t's elements fill its storage span without gaps or overlaps, in any dimension order."""
-    return covers_its_span(t.shape, t.stride())
-
-
 def _grad_like(t: torch.Tensor) -> torch.Tensor:
     """An uninitialized gradient for t, in t's own memory order where t is dense: a (B, S, H, D) view of (B, H, S, D)
     memory, as transformers' rotary embedding leaves q and k, gets its gradient in that memory, so that neither a
     leaf's gradient accumulation nor the rotary backward copies it. Contiguous where t has gaps (a slice of a packed
-    qkv tensor)."""
-    if t.is_contiguous() or not _is_dense(t):
-        return _empty_like(t)
-    return torch.empty_like(t)  # preserve_format keeps a dense tensor's strides
+    qkv tensor). The rule is padding.grad_like_input's, which the padded path applies to its inputs' layouts."""
+    if t.is_contiguous():
+        return torch.empty_like(t)  # empty_like's host path is the shorter one
+    return grad_like_input(t.shape, t.stride(), t.dtype, t.device)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -126,13 +126,14 @@ def _launch_rows(kernel, programs: int, pairs: list[tuple[torch.Tensor, torch.Te
     the padded tensor of each pair at position `padded` (0 or 1) and the packed one contiguous; (head, column) blocks
     of about 4096 elements a program."""
     headdim = pairs[0][0].shape[-1]
+    heads = max(src.shape[-2] for src, _ in pairs)
     block_d = next_power_of_2(headdim)
-    block_h = min(next_power_of_2(max(src.shape[-2] for src, _ in pairs)), max(1, 4096 // block_d))
+    block_h = min(next_power_of_2(heads), max(1, 4096 // block_d))
     args, layouts = [], []
     for pair in pairs + [pairs[0]] * (3 - len(pairs)):  # unused slots repeat the first pair: never read
         args += pair
         layouts += [*pair[padded].stride(), pair[padded].shape[-2]]
-    grid = (programs, cdiv(max(src.shape[-2] for src, _ in pairs), block_h), len(pairs))
+    grid = (programs, cdiv(heads, block_h), len(pairs))
     launch(kernel, grid, *args, *index_args, *layouts, headdim, BLOCK_H=block_h, BLOCK_D=block_d)
 
 

@@ -6,7 +6,7 @@ without one, transformers hands a custom implementation no padding mask at all).
 `from_pretrained(..., attn_implementation="fpatch")` works, and `patch_model` switches an existing model.
 
 Batch layouts, decided per call from what the mask function returned and the kwargs:
-    2D bool padding mask            -> unpad q/k/v -> flash_attn_varlen_func -> pad back  (left/right padding, q < kv)
+    2D bool padding mask            -> padded_attn_func: unpad, varlen kernels, pad back  (left/right padding, q < kv)
                                        or flash_attn_func over causal rows padded on the right (dense_pairs_bound)
     1D int32 cu_seqlens             -> flash_attn_varlen_func over documents             (packed rows, position_ids)
     cu_seq_lens_q/k (+ max_length)  -> flash_attn_varlen_func                            (DataCollatorWithFlattening)
