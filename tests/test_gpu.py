@@ -568,6 +568,18 @@ def test_gluon_forward_dropout_matches_float64(param, monkeypatch):
     assert calls == [("attn_fwd", p)]
 
 
+@needs_gluon
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "per_block"])
+@pytest.mark.parametrize("headdim,causal", [(128, True), (128, False), (64, True)])
+def test_gluon_forward_dropout_grid_forms_match_float64(persistent, headdim, causal, monkeypatch):
+    # the persistent forward's drawers follow its programs' tiles and count their keep slots across them (256 query
+    # blocks: each program takes two or more); one program per block counts from each block's first step
+    calls = _check_dropout_launches((4, 1000, 1000, 8, 2, headdim), torch.bfloat16, causal, 0.1, False,
+                                    [(sm90_fwd, "attn_fwd")], dict(gluon_fwd=True, persistent_fwd=persistent),
+                                    monkeypatch)
+    assert calls == [("attn_fwd", 0.1)]
+
+
 def test_misaligned_layout_falls_back_to_pointer_tiles_bf16():
     # q, k, v viewed 2 bytes into a buffer: no 16-byte aligned base, so no descriptors; same results
     shape = (2, 1000, 4, 128)

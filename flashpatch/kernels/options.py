@@ -30,8 +30,8 @@ class KernelOptions:
 
     # The Gluon forward as a persistent grid (one program per SM, taking query blocks in turn; on a varlen batch by
     # tickets) or as one program per query block; None: config.persistent_grid (persistent at head dim 128, at 64 on
-    # causal rows of up to 4096, and on varlen batches at 64 and 128). Dropout and head dim 256 always run per block (the persistent form has no
-    # drawer warps, and no room for two Q buffers of 256 columns).
+    # causal rows of up to 4096, and on varlen batches at 64 and 128), with or without dropout. Head dim 256 always
+    # runs per block (no room for two Q buffers of 256 columns).
     persistent_fwd: bool | None = None
     # The same for the Gluon dQ; None: config.persistent_grid (rows of at most 8 query blocks, not beside dK/dV).
     persistent_dq: bool | None = None

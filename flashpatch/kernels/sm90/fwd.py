@@ -18,8 +18,9 @@ sequence's end into the next head's or batch's rows (or zeros past the tensor), 
 its masked stores skip, and a last key block's keys past seqlen_k are masked like a causal diagonal (common.key_limit).
 
 A persistent grid (`_persistent_fwd`, where config.persistent_grid chooses it: head dim 128, dense rows, with or
-without a sliding window; head dim 64, causal rows of up to 4096) launches one program per SM instead, each looping over query blocks (common.query_tile),
-so that a block's Q load and first K/V blocks run under the previous block's steps and epilogue, which narrow
+without a sliding window; head dim 64, causal rows of up to 4096) launches one program per SM instead, each looping
+over query blocks (common.query_tile), so that a block's Q load and first K/V blocks run under the previous block's
+steps and epilogue, which narrow
 windows' short blocks gain most from. On a varlen batch (`_varlen_persistent_fwd`, head dims 64 and 128), whose
 blocks cost from one to dozens of key steps, a static deal ends unevenly: there each program's producer takes the
 next (head, (sequence, block)) item by a ticket from a counter in global memory (common.take_ticket) and hands its
@@ -30,8 +31,10 @@ balanced). Its consumers' loop is pipelined by one matmul (`_fwd_block_pipelined
 block's P V and then its own S = Q Kᵀ and waits for both, so the tensor core runs them back to back. docs/tuning.md
 ("Gluon forward") has the measurements.
 
-With dropout (two consumers, one program per query block) the keep bits come from warps of their own, as in dkdv.py's
-backward, so that the Philox arithmetic runs beside the consumers' matmuls and softmax:
+With dropout (two consumers, on either grid) the keep bits come from warps of their own, as in dkdv.py's backward, so
+that the Philox arithmetic runs beside the consumers' matmuls and softmax; a persistent program's drawers take the
+same tiles as its consumers (`_fwd_keep_drawer_persistent`), and at head dim 128 its consumers run one matmul at a
+time (`_fwd_block_serial`: the registers left beside the drawers do not hold the pipelined loop's two score tiles):
 
   drawer w (4 warps):    per step, the Philox calls of consumer w's (64 queries, 128 keys) tile at the counters of
                          triton.common.dropout_keep (the bits every kernel draws), eight decisions a call shifted into
@@ -73,7 +76,7 @@ BLOCK_N_D256 = 64
 STAGES = 2  # K/V ring depth
 MAXNREG = 168  # 12 warps x 168 = the register file; setmaxnreg moves them to the consumers
 MAXNREG_3 = 128  # three consumers: 13 warps, launched as 16 (a multiple of 4): 16 x 32 x 128 = 64K
-# Dropout (two consumers at either head dim, the grid of one program per query block): two drawer partitions of
+# Dropout (two consumers at either head dim, on either grid): two drawer partitions of
 # DRAWER_WARPS warps each (`_fwd_keep_drawer`) draw each consumer's keep bits beside its matmuls, as dkdv.py's drawers
 # do for the backward; `dropout_registers` splits the register file. Four warps each beat two (docs/tuning.md, the
 # dropout forward).
@@ -123,27 +126,60 @@ def _shift_in_call(word, r0, r1, r2, r3, carry_addend):
 
 @gluon.jit
 def _fwd_keep_drawer(args, WG: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Drawer partition WG: consumer WG's keep words, step by step, into its ring of slots (`keep_full` /
-    `keep_empty`), drawn at triton.common.dropout_keep's counters (the bits that the backward and the Triton kernels
-    draw): the lanes of the drawer's warps in layout FWD_KEEP_DRAW over the slot's words, each lane runs calls
-    4 word .. 4 word + 3 of the consumer threads whose words it holds, one call of each at once."""
-    DRAW: gl.constexpr = FWD_KEEP_DRAW
-    (keep_bufs, keep_full, keep_empty, SEED_OFFSET, dropout_p, off_b, nheads, off_h, seqlen_q, seqlen_k, m0,
-     n_steps) = args
-    SLOTS: gl.constexpr = keep_bufs.shape[0] // 2  # each consumer's
+    """Drawer partition WG of a program of one query block: consumer WG's keep words for the block's n_steps key
+    blocks (`_draw_block`)."""
+    (keep_parts, SEED_OFFSET, dropout_p, off_b, nheads, off_h, seqlen_q, seqlen_k, m0, n_steps) = args
     seed, offset = dropout_seed_offset(SEED_OFFSET, True)
     addend, keep_all = carry_addend(dropout_p)
+    rows0 = dropout_head_rows(off_b, nheads, off_h, seqlen_q) + (m0 + WG * HALF_M) // 2
+    _draw_block(keep_parts, seed, offset, addend, keep_all, gl.cdiv(seqlen_k, 16) * 4, rows0, n_steps, 0, WG,
+                BLOCK_N)
+
+
+@gluon.jit
+def _fwd_keep_drawer_persistent(args, WG: gl.constexpr, CAUSAL: gl.constexpr, HALF_M: gl.constexpr,
+                                BLOCK_N: gl.constexpr, HEAD_GROUP: gl.constexpr):
+    """Drawer partition WG of a persistent program: consumer WG's keep words for each of the program's tiles in
+    the consumers' order (common.persistent_tile, common.query_tile), counted on across tiles as the K/V ring is."""
+    (keep_parts, SEED_OFFSET, dropout_p, num_tiles, nheads, group_size, seqlen_q, seqlen_k, SCHEDULE,
+     schedule_rounds) = args
+    seed, offset = dropout_seed_offset(SEED_OFFSET, True)
+    addend, keep_all = carry_addend(dropout_p)
+    groups_per_row = gl.cdiv(seqlen_k, 16) * 4
+    ring = 0
+    for rnd in range(persistent_rounds(num_tiles, SCHEDULE, schedule_rounds)):
+        tile = persistent_tile(rnd, SCHEDULE, schedule_rounds)
+        if tile < num_tiles:
+            off_b, off_h, _, m0, _, _, _, _, n_steps = query_tile(
+                tile, num_tiles, seqlen_q, seqlen_k, nheads, group_size, 0, CAUSAL, 2 * HALF_M, BLOCK_N,
+                HEAD_GROUP, False)
+            rows0 = dropout_head_rows(off_b, nheads, off_h, seqlen_q) + (m0 + WG * HALF_M) // 2
+            _draw_block(keep_parts, seed, offset, addend, keep_all, groups_per_row, rows0, n_steps, ring, WG,
+                        BLOCK_N)
+            ring += n_steps
+
+
+@gluon.jit
+def _draw_block(keep_parts, seed, offset, addend, keep_all, groups_per_row, rows0, n_steps, ring, WG: gl.constexpr,
+                BLOCK_N: gl.constexpr):
+    """A query block's keep words for consumer WG, key block by key block, into its ring of slots (`keep_full` /
+    `keep_empty`; key block i is the program's step ring + i), drawn at triton.common.dropout_keep's counters (the
+    bits that the backward and the Triton kernels draw) from counter row rows0: the lanes of the drawer's warps in
+    layout FWD_KEEP_DRAW over the slot's words, each lane runs calls 4 word .. 4 word + 3 of the consumer threads
+    whose words it holds, one call of each at once."""
+    DRAW: gl.constexpr = FWD_KEEP_DRAW
+    keep_bufs, keep_full, keep_empty = keep_parts
+    SLOTS: gl.constexpr = keep_bufs.shape[0] // 2  # each consumer's
     # counter row rows0 + 8 (query >> 4) + (query & 7) of each of the slot's (4, 8) query rows
     query_lo = 8 * _draw_index(4, 0, DRAW) + _draw_index(8, 1, DRAW)
     word = _draw_index(2, 2, DRAW)
     key_mid = _draw_index(4, 3, DRAW)
-    groups_per_row = gl.cdiv(seqlen_k, 16) * 4
-    rows0 = dropout_head_rows(off_b, nheads, off_h, seqlen_q) + (m0 + WG * HALF_M) // 2
     for i in range(n_steps):
-        s = WG * SLOTS + i % SLOTS
-        # the slot's words of step i - SLOTS read (a fresh mbarrier counts as having completed the phase before
+        c = ring + i
+        s = WG * SLOTS + c % SLOTS
+        # the slot's words of step c - SLOTS read (a fresh mbarrier counts as having completed the phase before
         # 0, so the first lap does not wait); with two slots a step's draw still runs under the step before
-        mbarrier.wait(keep_empty.index(s), ((i // SLOTS) & 1) ^ 1)
+        mbarrier.wait(keep_empty.index(s), ((c // SLOTS) & 1) ^ 1)
         # call c = 4 word + 3 - j of key block i: counter column i BLOCK_N / 4 + 4 c + (key >> 1) & 3
         col = i * (BLOCK_N // 4) + word * 16 + key_mid + 12  # (1, 1, 2, 4): j = 0
         base = offset + (rows0 + query_lo).to(gl.int64) * groups_per_row + col  # (4, 8, 2, 4)
@@ -154,6 +190,20 @@ def _fwd_keep_drawer(args, WG: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.c
         keep_bufs.index(s).store(gl.where(keep_all, 0xFFFFFFFF, words).to(gl.int32, bitcast=True))
         gl.thread_barrier()  # every lane's words written before the consumer is told
         mbarrier.arrive(keep_full.index(s))
+
+
+@gluon.jit
+def _keep_words(keep_parts, c, WG: gl.constexpr, DROPOUT: gl.constexpr = True):
+    """Consumer WG's keep words of its step c (FWD_KEEP_WORDS), once its drawer has written them, and their slot
+    (to arrive at `keep_empty` once they are used: `_release_keep`); (0, 0) without DROPOUT."""
+    if DROPOUT:
+        keep_bufs, keep_full, keep_empty = keep_parts
+        KEEP_SLOTS: gl.constexpr = keep_bufs.shape[0] // 2
+        keep_slot = WG * KEEP_SLOTS + c % KEEP_SLOTS
+        mbarrier.wait(keep_full.index(keep_slot), (c // KEEP_SLOTS) & 1)
+        return keep_bufs.index(keep_slot).load(FWD_KEEP_WORDS), keep_slot
+    else:
+        return 0, 0
 
 
 @gluon.jit
@@ -212,11 +262,7 @@ def _fwd_step(i, ring, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, emp
     mbarrier.wait(ready_k.index(s), phase)
     qk = warpgroup_mma(q_s, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     if DROPOUT:  # read under the matmul
-        keep_bufs, keep_full, keep_empty = keep_parts
-        KEEP_SLOTS: gl.constexpr = keep_bufs.shape[0] // 2
-        keep_slot = WG * KEEP_SLOTS + i % KEEP_SLOTS
-        mbarrier.wait(keep_full.index(keep_slot), (i // KEEP_SLOTS) & 1)
-        words = keep_bufs.index(keep_slot).load(FWD_KEEP_WORDS)
+        words, keep_slot = _keep_words(keep_parts, ring, WG)
     qk = warpgroup_mma_wait(0, deps=(qk, ))  # (HALF_M, BLOCK_N)
     p, m_new, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, key_lo, qk_scale, cap_log2,
                                            alibi_log2, MASKED, ALIBI, BLOCK_N, FOLD, SOFTCAP, WINDOW)
@@ -229,7 +275,7 @@ def _fwd_step(i, ring, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, emp
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(empty.index(s))
     if DROPOUT:
-        mbarrier.arrive(keep_empty.index(keep_slot))
+        _release_keep(keep_parts, keep_slot)
     return acc, m_new, l_i
 
 
@@ -338,8 +384,8 @@ def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, rea
                          shift, key_lim, key_lo, n_lo, n_full, n_steps, qk_scale, cap_log2, alibi_log2,
                          HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          ALIBI: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
-                         prev_q_empty, prev_storing):
-    """`_fwd_block` (no dropout) for a persistent program's consumer, software-pipelined by one matmul: step i
+                         prev_q_empty, prev_storing, keep_parts, WG: gl.constexpr, DROPOUT: gl.constexpr):
+    """`_fwd_block` for a persistent program's consumer, software-pipelined by one matmul: step i
     issues block i - 1's P V and then block i's S = Q Kᵀ and waits for both at once, so the tensor core runs them
     back to back instead of idling while the warpgroup waits for P V, releases the slot, and issues the next S. P is
     carried from one step to the next as the bf16 matmul operand; the same arithmetic in the same order as
@@ -351,7 +397,8 @@ def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, rea
     diagonal), while the second warpgroup, the same code, was right. dq.py's persistent dQ keeps one loop too.
 
     With prev_storing set, the previous tile's O is under a TMA store from its Q buffer (`_persistent_tile`): the
-    buffer goes back to the producer (prev_q_empty) once the store has read it, waited for under block 0's S."""
+    buffer goes back to the producer (prev_q_empty) once the store has read it, waited for under block 0's S.
+    DROPOUT: block i's keep words are the program's step ring + i (`_keep_words`), read under its S."""
     s_layout: gl.constexpr = zero_s.type.layout
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEADDIM, 16])  # (queries, D)
@@ -366,10 +413,12 @@ def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, rea
         qk = warpgroup_mma(q_s, k_bufs.index(ring % STAGES).permute((1, 0)), zero_s, use_acc=False,
                            is_async=True)
         _release_stored(prev_q_empty, prev_storing)
+        words, keep_slot = _keep_words(keep_parts, ring, WG, DROPOUT)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
         p_op, acc, m_i, l_i = _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, 0, n_lo, n_full, shift, key_lim,
                                                  key_lo, qk_scale, cap_log2, alibi_log2, q_s.dtype, a_layout, ALIBI,
-                                                 BLOCK_N, FOLD, SOFTCAP, WINDOW)
+                                                 BLOCK_N, FOLD, SOFTCAP, WINDOW, words, DROPOUT)
+        _release_keep(keep_parts, keep_slot, DROPOUT)
     else:
         _release_stored(prev_q_empty, prev_storing)
     for i in range(1, n_steps):
@@ -379,11 +428,13 @@ def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, rea
         s = (ring + i) % STAGES
         mbarrier.wait(ready_k.index(s), ((ring + i) // STAGES) & 1)
         qk = warpgroup_mma(q_s, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        words, keep_slot = _keep_words(keep_parts, ring + i, WG, DROPOUT)
         qk, acc = warpgroup_mma_wait(0, deps=(qk, pv))
         mbarrier.arrive(empty.index(prev))
         p_op, acc, m_i, l_i = _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_lo, n_full, shift, key_lim,
                                                  key_lo, qk_scale, cap_log2, alibi_log2, q_s.dtype, a_layout, ALIBI,
-                                                 BLOCK_N, FOLD, SOFTCAP, WINDOW)
+                                                 BLOCK_N, FOLD, SOFTCAP, WINDOW, words, DROPOUT)
+        _release_keep(keep_parts, keep_slot, DROPOUT)
     if n_steps > 0:  # the last block's P V
         last = (ring + n_steps - 1) % STAGES
         mbarrier.wait(ready_v.index(last), ((ring + n_steps - 1) // STAGES) & 1)
@@ -391,6 +442,44 @@ def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, rea
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(empty.index(last))
     return acc, m_i, l_i
+
+
+@gluon.jit
+def _fwd_block_serial(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n,
+                      shift, key_lim, n_full, n_steps, qk_scale, cap_log2, alibi_log2, HEADDIM: gl.constexpr,
+                      HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr,
+                      FOLD: gl.constexpr, SOFTCAP: gl.constexpr, prev_q_empty, prev_storing, keep_parts,
+                      WG: gl.constexpr):
+    """A persistent consumer's block with dropout and without a window, one step at a time as `_fwd_block` runs
+    them (where the registers left beside the drawers do not hold `_fwd_block_pipelined`'s two score tiles), in one
+    loop that picks the masked step per block (`_fwd_block_pipelined` says why one loop); prev_q_empty and
+    prev_storing as there."""
+    s_layout: gl.constexpr = zero_s.type.layout
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEADDIM, 16])  # (queries, D)
+    m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
+    mbarrier.wait(q_bar, q_phase)
+    _release_stored(prev_q_empty, prev_storing)
+    for i in range(n_steps):
+        if i < n_full:
+            acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
+                                      zero_s, offs_m, offs_n, shift, key_lim, 0, qk_scale, cap_log2, alibi_log2,
+                                      False, ALIBI, BLOCK_N, STAGES, FOLD, SOFTCAP, keep_parts, WG, True, False)
+        else:
+            acc, m_i, l_i = _fwd_step(i, ring + i, acc, m_i, l_i, q_s, k_bufs, v_bufs, ready_k, ready_v, empty,
+                                      zero_s, offs_m, offs_n, shift, key_lim, 0, qk_scale, cap_log2, alibi_log2,
+                                      True, ALIBI, BLOCK_N, STAGES, FOLD, SOFTCAP, keep_parts, WG, True, False)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _release_keep(keep_parts, keep_slot, DROPOUT: gl.constexpr = True):
+    """A consumer's keep words of a step used: their slot goes back to its drawer (with DROPOUT)."""
+    if DROPOUT:
+        _, _, keep_empty = keep_parts
+        mbarrier.arrive(keep_empty.index(keep_slot))
 
 
 @gluon.jit
@@ -403,10 +492,12 @@ def _release_stored(q_empty, storing):
 @gluon.jit
 def _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_lo, n_full, shift, key_lim, key_lo, qk_scale, cap_log2,
                        alibi_log2, dtype: gl.constexpr, a_layout: gl.constexpr, ALIBI: gl.constexpr,
-                       BLOCK_N: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
+                       BLOCK_N: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
+                       words, DROPOUT: gl.constexpr):
     """`_fwd_block_pipelined`'s step after its wait: block i's scores into P (the next P V's A operand: dtype,
     a_layout), masked past the first n_full blocks (and under a WINDOW before block n_lo), and acc rescaled by the
-    running max's change."""
+    running max's change. DROPOUT: the dropped weights of P zeroed by the step's keep words (`_fwd_drop`) after
+    the running sum has counted them."""
     if WINDOW:
         unmasked = (i >= n_lo) & (i < n_full)
     else:
@@ -418,7 +509,10 @@ def _pipelined_softmax(qk, acc, m_i, l_i, offs_m, offs_n, i, n_lo, n_full, shift
         p, m_i, l_i, alpha = _softmax_update(qk, m_i, l_i, offs_m, offs_n, i, shift, key_lim, key_lo, qk_scale,
                                              cap_log2, alibi_log2, True, ALIBI, BLOCK_N, FOLD, SOFTCAP, WINDOW)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
-    return gl.convert_layout(p.to(dtype), a_layout), acc, m_i, l_i
+    p = p.to(dtype)
+    if DROPOUT:
+        p = _fwd_drop(p, words)
+    return gl.convert_layout(p, a_layout), acc, m_i, l_i
 
 
 @gluon.jit
@@ -453,14 +547,16 @@ def _persistent_tile(q_bufs, done, ring, k_bufs, v_bufs, ready_k, ready_v, empty
                      seqlen_k, qk_scale, cap_log2, alibi_log2, window_left, o_desc, o_row, o_col, storing,
                      WG: gl.constexpr, CAUSAL: gl.constexpr,
                      HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     ALIBI: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
+                     ALIBI: gl.constexpr, FOLD: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
+                     keep_parts=0, keep_fraction=1.0, DROPOUT: gl.constexpr = False):
     """A persistent consumer's tile `done` (its Q in buffer done % 2, its key blocks from ring slot `ring` on): the
     query block from row m0 with `window_steps`' counts (n_first, n_lo, n_full, n_steps), LSE stored from lse_base.
     A warpgroup whose rows all lie before seqlen_q writes its O tile over its own rows of the Q buffer and hands it
     to a TMA store (o_desc, from row o_row + its first, column o_col), and releases the buffer (`q_empty`) once the
     store has read it: in the next tile, under its first matmul (`_fwd_block_pipelined`). Its rows of a last block
     that runs past seqlen_q are stored from registers (masked), the buffer released before that. storing: whether the
-    previous tile left a store to wait for; returns the same for this one."""
+    previous tile left a store to wait for; returns the same for this one. DROPOUT: keep_parts and keep_fraction
+    = 1 - p (`_fwd_block_pipelined`, `_fwd_epilogue`)."""
     s_layout: gl.constexpr = zero_s.type.layout
     qb = done % 2
     q_s = q_bufs.index(qb).slice(WG * HALF_M, HALF_M)  # (HALF_M, D)
@@ -468,19 +564,26 @@ def _persistent_tile(q_bufs, done, ring, k_bufs, v_bufs, ready_k, ready_v, empty
     key_lim = key_limit(offs_m, shift, seqlen_k, CAUSAL)
     offs_n, key_lo, n_lo = window_keys(offs_m, offs_key, shift, key_lim, (n_lo, n_first * BLOCK_N, window_left),
                                        WINDOW)
-    acc, m_i, l_i = _fwd_block_pipelined(q_s, q_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs, ready_k,
-                                         ready_v, empty, zero_s, offs_m, offs_n, shift, key_lim, key_lo, n_lo, n_full,
-                                         n_steps, qk_scale, cap_log2, alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES,
-                                         ALIBI, FOLD, SOFTCAP, WINDOW, q_empty.index(1 - qb), storing)
+    if DROPOUT and HEADDIM > 64:  # 168 registers (`dropout_registers`): the pipelined loop's wgmma serialize
+        acc, m_i, l_i = _fwd_block_serial(q_s, q_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs, ready_k,
+                                          ready_v, empty, zero_s, offs_m, offs_n, shift, key_lim, n_full, n_steps,
+                                          qk_scale, cap_log2, alibi_log2, HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI,
+                                          FOLD, SOFTCAP, q_empty.index(1 - qb), storing, keep_parts, WG)
+    else:
+        acc, m_i, l_i = _fwd_block_pipelined(q_s, q_ready.index(qb), (done // 2) & 1, ring, k_bufs, v_bufs, ready_k,
+                                             ready_v, empty, zero_s, offs_m, offs_n, shift, key_lim, key_lo, n_lo,
+                                             n_full, n_steps, qk_scale, cap_log2, alibi_log2, HEADDIM, HALF_M,
+                                             BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP, WINDOW, q_empty.index(1 - qb),
+                                             storing, keep_parts, WG, DROPOUT)
     row0 = m0 + WG * HALF_M
     if row0 + HALF_M <= seqlen_q:
-        o_tile = _fwd_epilogue_lse(acc, m_i, l_i, LSE, lse_base, offs_m, seqlen_q)
+        o_tile = _fwd_epilogue_lse(acc, m_i, l_i, LSE, lse_base, offs_m, seqlen_q, keep_fraction, DROPOUT)
         store_tile_by_tma(o_desc, [o_row + WG * HALF_M, o_col], q_s, o_tile.to(q_s.dtype))
         storing = 1
     else:
         mbarrier.arrive(q_empty.index(qb))
         _fwd_epilogue(acc, m_i, l_i, O, LSE, o_base, stride_os, lse_base, offs_m, row0, seqlen_q, q_s.dtype,
-                      HEADDIM, HALF_M, 1.0, False)
+                      HEADDIM, HALF_M, keep_fraction, DROPOUT)
         storing = 0
     return storing
 
@@ -496,15 +599,16 @@ def _persistent_constants(HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _fwd_consumer_persistent(q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
-                             ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
-                             stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2,
-                             SCHEDULE, schedule_rounds, window_left, o_desc, o_rows, o_cols, WG: gl.constexpr,
-                             CAUSAL: gl.constexpr,
+def _fwd_consumer_persistent(args, WG: gl.constexpr, CAUSAL: gl.constexpr,
                              HEADDIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr,
-                             FOLD: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
-    """`_fwd_consumer` over this program's tiles (common.query_tile), the producer's order (`_persistent_tile`)."""
+                             FOLD: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, keep_parts,
+                             keep_fraction, DROPOUT: gl.constexpr):
+    """`_fwd_consumer` over this program's tiles (common.query_tile), the producer's order (`_persistent_tile`);
+    DROPOUT: keep_parts and keep_fraction as there."""
+    (q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE, ALIBI_SLOPES, stride_ob, stride_os,
+     stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k,
+     qk_scale, cap_log2, SCHEDULE, schedule_rounds, window_left, o_desc, o_rows, o_cols) = args
     offs_key, zero_s = _persistent_constants(HALF_M, BLOCK_N)
     ring = 0
     done = 0
@@ -521,7 +625,7 @@ def _fwd_consumer_persistent(q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_
                 LSE, off_b * stride_ob + off_h * stride_oh, stride_os, off_b * stride_lse_b + off_h * stride_lse_h, m0,
                 shift, n_first, n_lo, n_full, n_steps, seqlen_q, seqlen_k, qk_scale, cap_log2, alibi_log2,
                 window_left, o_desc, off_b * o_rows[0] + off_h * o_rows[1] + m0, off_h * o_cols, storing, WG, CAUSAL,
-                HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP, WINDOW)
+                HEADDIM, HALF_M, BLOCK_N, STAGES, ALIBI, FOLD, SOFTCAP, WINDOW, keep_parts, keep_fraction, DROPOUT)
             ring += n_steps
             done += 1
     tma.store_wait(0)  # the last tile's O written before the program's shared memory goes
@@ -551,12 +655,12 @@ def attn_fwd_hopper_kernel(
                                ALIBI, FOLD, SOFTCAP, WINDOW)
         return
     if PERSISTENT:  # num_tiles: batch x heads x query blocks, which the programs take in turn
-        gl.static_assert(not DROPOUT, "dropout runs one program per block")
-        _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, o_desc, o_rows, o_cols, q_rows, q_cols,
-                        k_rows, k_cols, v_rows, v_cols, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
-                        stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2, SCHEDULE,
-                        schedule_rounds, window_left, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI,
-                        FOLD, SOFTCAP, WINDOW)
+        _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, SEED_OFFSET, o_desc, o_rows, o_cols, q_rows,
+                        q_cols, k_rows, k_cols, v_rows, v_cols, stride_ob, stride_os, stride_oh, stride_lse_b,
+                        stride_lse_h, stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
+                        cap_log2, dropout_p, SCHEDULE, schedule_rounds, window_left, CAUSAL, HEADDIM, HALF_M, BLOCK_N,
+                        STAGES, HEAD_GROUP, ALIBI, FOLD, SOFTCAP, WINDOW, DROPOUT, DRAWER_WARPS, CONSUMER_REGS,
+                        WORKER_REGS)
         return
     if VARLEN:  # the views' rows are the packed tokens: a sequence starts at its cu_seqlens entry
         gl.static_assert(not DROPOUT, "the varlen form draws no dropout")
@@ -597,8 +701,7 @@ def attn_fwd_hopper_kernel(
     v_row = v_base + off_hk * v_rows[1]
     if DROPOUT:  # two consumers at either head dim (`attn_fwd`)
         keep_parts = (keep_bufs, keep_full, keep_empty)
-        drawer_args = (keep_bufs, keep_full, keep_empty, SEED_OFFSET, dropout_p, off_b, nheads, off_h, seqlen_q,
-                       seqlen_k, m0, n_steps)
+        drawer_args = (keep_parts, SEED_OFFSET, dropout_p, off_b, nheads, off_h, seqlen_q, seqlen_k, m0, n_steps)
         gl.warp_specialize([
             (_fwd_consumer, (q_smem.index(0).slice(0, HALF_M), k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O,
                              LSE, o_base, stride_os, lse_base, m0, shift, n_full, n_steps, qk_scale, cap_log2,
@@ -653,38 +756,55 @@ def attn_fwd_hopper_kernel(
 
 
 @gluon.jit
-def _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, o_desc, o_rows, o_cols, q_rows, q_cols, k_rows,
-                    k_cols, v_rows, v_cols,
+def _persistent_fwd(q_desc, k_desc, v_desc, O, LSE, ALIBI_SLOPES, SEED_OFFSET, o_desc, o_rows, o_cols, q_rows, q_cols,
+                    k_rows, k_cols, v_rows, v_cols,
                     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b,
-                    num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2, SCHEDULE, schedule_rounds,
-                    window_left, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr,
+                    num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale, cap_log2, dropout_p, SCHEDULE,
+                    schedule_rounds, window_left, CAUSAL: gl.constexpr, HEADDIM: gl.constexpr, HALF_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HEAD_GROUP: gl.constexpr, ALIBI: gl.constexpr,
-                    FOLD: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr):
+                    FOLD: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, DROPOUT: gl.constexpr,
+                    DRAWER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
     """The PERSISTENT kernel body: two Q buffers (the next tile's Q loads under this one's steps), the K/V
     ring, and the same three partitions looping over the program's tiles (`persistent_tile`: SCHEDULE's, or
-    the closed form where it is None), with or without a sliding window."""
+    the closed form where it is None), with or without a sliding window; with DROPOUT, two drawer partitions
+    beside them (`_fwd_keep_drawer_persistent`) taking the same tiles."""
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs, v_bufs, ready_k, ready_v, empty = allocate_kv_ring(k_desc, v_desc, STAGES, 2)
     q_ready, q_empty = allocate_query_barriers()
+    keep_parts = 0
+    if DROPOUT:  # each consumer's KEEP_SLOTS slots of keep words, filled by its drawer
+        keep_parts = allocate_keep_ring(_KEEP_SLOTS, [4, 8, 2, 4], FWD_KEEP_SHARED)
     fence_async_shared()
-    gl.warp_specialize([
-        (_fwd_consumer_persistent, (q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
-                                    ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
-                                    stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
-                                    cap_log2, SCHEDULE, schedule_rounds, window_left, o_desc, o_rows, o_cols, 0,
-                                    CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI, FOLD, SOFTCAP,
-                                    WINDOW)),
-        (_fwd_consumer_persistent, (q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE,
-                                    ALIBI_SLOPES, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
-                                    stride_alibi_b, num_tiles, nheads, group_size, seqlen_q, seqlen_k, qk_scale,
-                                    cap_log2, SCHEDULE, schedule_rounds, window_left, o_desc, o_rows, o_cols, 1,
-                                    CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP, ALIBI, FOLD, SOFTCAP,
-                                    WINDOW)),
-        (producer_persistent, (q_desc, None, k_desc, v_desc, q_bufs, None, k_bufs, v_bufs, ready_k, ready_v,
-                               empty, q_ready, q_empty, q_rows, q_cols, None, None, k_rows, k_cols, v_rows,
-                               v_cols, num_tiles, nheads, group_size, seqlen_q, seqlen_k, SCHEDULE,
-                               schedule_rounds, CAUSAL, 2 * HALF_M, BLOCK_N, STAGES, HEAD_GROUP, window_left, WINDOW)),
-    ], [4, 1], [232, 24])
+    consumer_args = (q_bufs, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready, q_empty, O, LSE, ALIBI_SLOPES,
+                     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, stride_alibi_b, num_tiles, nheads,
+                     group_size, seqlen_q, seqlen_k, qk_scale, cap_log2, SCHEDULE, schedule_rounds, window_left,
+                     o_desc, o_rows, o_cols)
+    producer_args = (q_desc, None, k_desc, v_desc, q_bufs, None, k_bufs, v_bufs, ready_k, ready_v, empty, q_ready,
+                     q_empty, q_rows, q_cols, None, None, k_rows, k_cols, v_rows, v_cols, num_tiles, nheads,
+                     group_size, seqlen_q, seqlen_k, SCHEDULE, schedule_rounds, CAUSAL, 2 * HALF_M, BLOCK_N, STAGES,
+                     HEAD_GROUP, window_left, WINDOW)
+    if DROPOUT:
+        drawer_args = (keep_parts, SEED_OFFSET, dropout_p, num_tiles, nheads, group_size, seqlen_q, seqlen_k,
+                       SCHEDULE, schedule_rounds)
+        gl.warp_specialize([
+            (_fwd_consumer_persistent, (consumer_args, 0, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP,
+                                                 ALIBI, FOLD, SOFTCAP, WINDOW, keep_parts, 1.0 - dropout_p,
+                                                 True)),
+            (_fwd_consumer_persistent, (consumer_args, 1, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP,
+                                                 ALIBI, FOLD, SOFTCAP, WINDOW, keep_parts, 1.0 - dropout_p,
+                                                 True)),
+            (producer_persistent, producer_args),
+            (_fwd_keep_drawer_persistent, (drawer_args, 0, CAUSAL, HALF_M, BLOCK_N, HEAD_GROUP)),
+            (_fwd_keep_drawer_persistent, (drawer_args, 1, CAUSAL, HALF_M, BLOCK_N, HEAD_GROUP)),
+        ], [4, 1, DRAWER_WARPS, DRAWER_WARPS], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS, WORKER_REGS])
+    else:
+        gl.warp_specialize([
+            (_fwd_consumer_persistent, (consumer_args, 0, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP,
+                                                 ALIBI, FOLD, SOFTCAP, WINDOW, 0, 1.0, False)),
+            (_fwd_consumer_persistent, (consumer_args, 1, CAUSAL, HEADDIM, HALF_M, BLOCK_N, STAGES, HEAD_GROUP,
+                                                 ALIBI, FOLD, SOFTCAP, WINDOW, 0, 1.0, False)),
+            (producer_persistent, producer_args),
+        ], [4, 1], [232, 24])
 
 
 @gluon.jit
@@ -909,7 +1029,7 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     k, v: (B, Sk, Hk, D); qk_scale = softmax_scale * log2(e); alibi_slopes: None or float32 (H,) / (B, H); fold:
     config.KernelConfigs.fold_scale (`_softmax_update`, which ignores it with ALiBi). dropout_p > 0: two consumers,
     the keep bits drawn from seed_offset (ops.draw_seed_offset's int64 (seed, offset)) at triton.common.dropout_keep's
-    counters, on the grid of one program per query block (the persistent one has no drawers). options: its
+    counters, on either grid (config.persistent_grid's rule or options.persistent_fwd). options: its
     persistent_fwd, causal_schedule, head_group and cached_launch. site: launch.launch's, for the arguments that
     follow from the call's shapes and options (the launch tells apart a schedule table built or not).
     window_left >= 0: a causal sliding window, query row m seeing keys m + Sk - Sq - window_left through
@@ -933,7 +1053,7 @@ def attn_fwd(q, k, v, out, lse, qk_scale: float, causal: bool, alibi_slopes=None
     if headdim == 256 and dropout:
         raise ValueError(f"the Gluon forward at head dim 256 draws no dropout, got dropout_p={dropout_p}")
     keys = block_n(headdim)
-    if dropout or headdim == 256:  # two (128, 256) Q buffers would not fit beside the ring
+    if headdim == 256:  # two (128, 256) Q buffers would not fit beside the ring
         persistent = False
     elif options.persistent_fwd is None:
         persistent = persistent_grid("fwd", cdiv(seqlen_q, BLOCK_M), headdim, causal=causal and not window)
