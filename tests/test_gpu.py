@@ -570,7 +570,7 @@ def test_gluon_forward_dropout_matches_float64(param, monkeypatch):
 
 @needs_gluon
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "per_block"])
-@pytest.mark.parametrize("headdim,causal", [(128, True), (128, False), (64, True)])
+@pytest.mark.parametrize("headdim,causal", [(128, True), (128, False), (64, True), (64, False)])
 def test_gluon_forward_dropout_grid_forms_match_float64(persistent, headdim, causal, monkeypatch):
     # the persistent forward's drawers follow its programs' tiles and count their keep slots across them (256 query
     # blocks: each program takes two or more); one program per block counts from each block's first step
