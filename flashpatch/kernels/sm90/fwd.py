@@ -20,16 +20,14 @@ its masked stores skip, and a last key block's keys past seqlen_k are masked lik
 A persistent grid (`_persistent_fwd`, where config.persistent_grid chooses it: head dim 128, dense rows, with or
 without a sliding window; head dim 64, causal rows of up to 4096) launches one program per SM instead, each looping
 over query blocks (common.query_tile), so that a block's Q load and first K/V blocks run under the previous block's
-steps and epilogue, which narrow
-windows' short blocks gain most from. On a varlen batch (`_varlen_persistent_fwd`, head dims 64 and 128), whose
-blocks cost from one to dozens of key steps, a static deal ends unevenly: there each program's producer takes the
-next (head, (sequence, block)) item by a ticket from a counter in global memory (common.take_ticket) and hands its
-fields to the consumers with its Q (common.hand_item), so a program that finishes early takes more. Under a causal
-mask without a window the programs take their
-blocks from a table built on the host (schedule.causal_schedule: head groups kept together for L2, the load
-balanced). Its consumers' loop is pipelined by one matmul (`_fwd_block_pipelined`): a step issues the previous
-block's P V and then its own S = Q Kᵀ and waits for both, so the tensor core runs them back to back. docs/tuning.md
-("Gluon forward") has the measurements.
+steps and epilogue, which narrow windows' short blocks gain most from. On a varlen batch (`_varlen_persistent_fwd`,
+head dims 64 and 128), whose blocks cost from one to dozens of key steps, a static deal ends unevenly: there each
+program's producer takes the next (head, (sequence, block)) item by a ticket from a counter in global memory
+(common.take_ticket) and hands its fields to the consumers with its Q (common.hand_item), so a program that finishes
+early takes more. Under a causal mask without a window the programs take their blocks from a table built on the host
+(schedule.causal_schedule: head groups kept together for L2, the load balanced). Its consumers' loop is pipelined by
+one matmul (`_fwd_block_pipelined`): a step issues the previous block's P V and then its own S = Q Kᵀ and waits for
+both, so the tensor core runs them back to back. docs/tuning.md ("Gluon forward") has the measurements.
 
 With dropout (two consumers, on either grid) the keep bits come from warps of their own, as in dkdv.py's backward, so
 that the Philox arithmetic runs beside the consumers' matmuls and softmax; a persistent program's drawers take the
