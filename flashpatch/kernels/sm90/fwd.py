@@ -344,6 +344,18 @@ def _fwd_consumer(q_s, k_bufs, v_bufs, ready_k, ready_v, empty, q_bar, O, LSE, o
 
 
 @gluon.jit
+def _fresh_state(zero_s, HEADDIM: gl.constexpr, HALF_M: gl.constexpr):
+    """A consumer's block state before its first key block: (running max, running sum, O accumulator), the first two
+    in zero_s's (queries, keys) row layout, the accumulator (HALF_M, HEADDIM) in the wgmma layout of P V."""
+    s_layout: gl.constexpr = zero_s.type.layout
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEADDIM, 16])  # (queries, D)
+    m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
+    return m_i, l_i, gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
+
+
+@gluon.jit
 def _fwd_block(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empty, zero_s, offs_m, offs_n, shift,
                key_lim, key_lo, n_lo, n_full, n_steps, qk_scale, cap_log2, alibi_log2, HEADDIM: gl.constexpr,
                HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ALIBI: gl.constexpr,
@@ -354,12 +366,7 @@ def _fwd_block(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_v, empt
     K/V ring from slot `ring` on; under a WINDOW, the n_lo blocks on its left edge masked before them. Returns
     (acc, m_i, l_i) for `_fwd_epilogue`. keep_parts, WG, DROPOUT: `_fwd_step`'s. (The persistent program's consumers
     run `_fwd_block_pipelined`.)"""
-    s_layout: gl.constexpr = zero_s.type.layout
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEADDIM, 16])  # (queries, D)
-    m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
+    m_i, l_i, acc = _fresh_state(zero_s, HEADDIM, HALF_M)
     mbarrier.wait(q_bar, q_phase)
     if WINDOW:
         for i in range(0, n_lo):
@@ -397,13 +404,8 @@ def _fwd_block_pipelined(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, rea
     With prev_storing set, the previous tile's O is under a TMA store from its Q buffer (`_persistent_tile`): the
     buffer goes back to the producer (prev_q_empty) once the store has read it, waited for under block 0's S.
     DROPOUT: block i's keep words are the program's step ring + i (`_keep_words`), read under its S."""
-    s_layout: gl.constexpr = zero_s.type.layout
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEADDIM, 16])  # (queries, D)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
+    m_i, l_i, acc = _fresh_state(zero_s, HEADDIM, HALF_M)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     p_op = gl.zeros([HALF_M, BLOCK_N], q_s.dtype, a_layout)  # block i - 1's P, the next P V's A operand
     mbarrier.wait(q_bar, q_phase)
     if n_steps > 0:  # block 0's S and P (a row block past every key, causal with Sq > Sk, has no steps)
@@ -452,12 +454,7 @@ def _fwd_block_serial(q_s, q_bar, q_phase, ring, k_bufs, v_bufs, ready_k, ready_
     them (where the registers left beside the drawers do not hold `_fwd_block_pipelined`'s two score tiles), in one
     loop that picks the masked step per block (`_fwd_block_pipelined` says why one loop); prev_q_empty and
     prev_storing as there."""
-    s_layout: gl.constexpr = zero_s.type.layout
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEADDIM, 16])  # (queries, D)
-    m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([HALF_M, HEADDIM], gl.float32, o_layout)
+    m_i, l_i, acc = _fresh_state(zero_s, HEADDIM, HALF_M)
     mbarrier.wait(q_bar, q_phase)
     _release_stored(prev_q_empty, prev_storing)
     for i in range(n_steps):
