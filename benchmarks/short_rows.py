@@ -93,6 +93,8 @@ def main():
     parser.add_argument("--history", default=str(REPO / "results" / "history.csv"))
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args()
+    if args.iters < 1:
+        parser.error(f"--iters must be at least 1, got {args.iters}")
     import history
     import triton
 
